@@ -1,0 +1,48 @@
+"""Command line entry point: `servelm serve | route | bench | plan | simulate | fetch | generate | chat`.
+
+Each sub-command lives in the package that owns it, as a module with
+`add_arguments(parser)` and `run(args) -> int`; this file only wires them up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module that owns it, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("servelm.server.command", "serve a model over an OpenAI-compatible HTTP API"),
+    "generate": ("servelm.commands.generate", "generate text for prompts in the terminal"),
+    "chat": ("servelm.commands.chat", "chat with a model in the terminal"),
+    "fetch": ("servelm.store.command", "prepare a model folder (default model, GGUF file, hub id)"),
+    "bench": ("servelm.bench.command", "load-test any OpenAI-compatible server"),
+    "plan": ("servelm.planner.command", "size a deployment: memory, KV capacity, concurrency"),
+    "simulate": ("servelm.sim.command", "simulate a deployment with the real scheduler"),
+    "route": ("servelm.router.command", "route requests across several replicas"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="servelm", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module_name, help_text) in COMMANDS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name and exc.name.startswith("servelm"):
+                continue  # sub-command not built yet
+            raise
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,6 @@
+"""Paged KV cache bookkeeping (no torch): block pool, prefix hashes, per-request block lists."""
+
+from servelm.engine.kv_cache.block_pool import BlockPool, KVBlock, hash_block_tokens
+from servelm.engine.kv_cache.manager import KVCacheManager, PrefixCacheStats
+
+__all__ = ["BlockPool", "KVBlock", "KVCacheManager", "PrefixCacheStats", "hash_block_tokens"]

@@ -1,0 +1,136 @@
+"""KVCacheManager: which blocks each request holds, prefix-cache lookups, and slot allocation.
+
+A request's blocks cover its tokens in order: token i lives in block i // block_size at offset
+i % block_size. `allocate_slots` returns None when the pool cannot cover the step; the
+scheduler (not this class) decides whom to preempt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from servelm.engine.kv_cache.block_pool import ROOT_HASH, BlockPool, KVBlock, hash_block_tokens
+from servelm.engine.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of those, tokens found cached
+
+    def record(self, queried: int, hit: int) -> None:
+        self.queries += queried
+        self.hits += hit
+
+    def reset(self) -> PrefixCacheStats:
+        snapshot = PrefixCacheStats(self.queries, self.hits)
+        self.queries = self.hits = 0
+        return snapshot
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self._num_cached_blocks: dict[str, int] = {}
+        self.prefix_stats = PrefixCacheStats()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def _update_block_hashes(self, request: Request, num_full_blocks: int) -> None:
+        """Extend the request's chained block hashes to cover its first `num_full_blocks`."""
+        hashes = request.block_hashes
+        bs = self.block_size
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else ROOT_HASH
+            hashes.append(hash_block_tokens(parent, request.token_ids_slice(i * bs, (i + 1) * bs)))
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """The longest cached prefix of the request, as blocks and as a token count.
+
+        The last token is never covered: its logits must be computed to sample from them.
+        """
+        if not self.enable_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        self._update_block_hashes(request, max_blocks)
+        hit: list[KVBlock] = []
+        for h in request.block_hashes[:max_blocks]:
+            block = self.pool.get_cached_block(h)
+            if block is None:
+                break
+            hit.append(block)
+        return hit, len(hit) * self.block_size
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVBlock] | None = None,
+    ) -> list[KVBlock] | None:
+        """Make room for `num_new_tokens` more tokens of `request` (after any prefix hit).
+
+        Returns the newly allocated blocks, or None (changing nothing) if the pool is short.
+        """
+        new_computed_blocks = new_computed_blocks or []
+        held = self.req_blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        needed = cdiv(num_computed + num_new_tokens, self.block_size) - len(held) - len(new_computed_blocks)
+        # Hit blocks that sit in the free queue stop being allocatable once we take them.
+        reclaimed = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if max(needed, 0) > self.pool.num_free_blocks - reclaimed:
+            if not held:
+                del self.req_blocks[request.request_id]
+            return None
+        self.pool.touch(new_computed_blocks)
+        held.extend(new_computed_blocks)
+        new_blocks = self.pool.get_new_blocks(needed) if needed > 0 else []
+        held.extend(new_blocks)
+        if self.enable_caching:
+            self._cache_full_blocks(request, num_computed + num_new_tokens)
+        return new_blocks
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Publish the hashes of blocks that this step fills (their token ids are known)."""
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        start = self._num_cached_blocks.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        self._update_block_hashes(request, num_full)
+        held = self.req_blocks[request.request_id]
+        for i in range(start, num_full):
+            self.pool.cache_block(held[i], request.block_hashes[i])
+        self._num_cached_blocks[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Give back every block of the request, tail first (the tail is evicted first)."""
+        blocks = self.req_blocks.pop(request.request_id, [])
+        self._num_cached_blocks.pop(request.request_id, None)
+        self.pool.free_blocks(reversed(blocks))
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()
+        refs: dict[int, int] = {}
+        for blocks in self.req_blocks.values():
+            for b in blocks:
+                refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        for block in self.pool.blocks:
+            if refs.get(block.block_id, 0) != block.ref_cnt:
+                raise AssertionError(
+                    f"{block} has ref_cnt {block.ref_cnt} but {refs.get(block.block_id, 0)} holders"
+                )

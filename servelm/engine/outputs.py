@@ -1,0 +1,87 @@
+"""Plain dataclasses that cross layer boundaries: scheduler -> runner -> scheduler -> client."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from servelm.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    """What the model runner needs for one request in one step.
+
+    `token_ids` are the tokens whose KV this step computes, at positions
+    `num_computed_tokens ... num_computed_tokens + len(token_ids) - 1`. The runner samples a
+    next token only when `sample` is true (the request's last known token is in this step).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_ids: list[int]
+    sampling_params: SamplingParams
+    sample: bool
+    # For penalties and min_tokens: the full prompt and output so far (shared, not copied).
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    eos_token_ids: frozenset[int] = frozenset()
+
+
+@dataclass
+class SchedulerOutput:
+    requests: list[ScheduledRequest]
+    # Requests that finished or were preempted since the last step: the runner drops their state.
+    finished_request_ids: set[str] = field(default_factory=set)
+    num_preempted: int = 0
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.requests)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+@dataclass
+class Logprobs:
+    """Logprobs for one generated token: the sampled token's and the top-k alternatives."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, int]
+    logprobs: dict[str, Logprobs] = field(default_factory=dict)
+
+
+@dataclass
+class EngineCoreOutput:
+    """New tokens of one request after one step (what the API process turns into text)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_token_id: int | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    logprobs: list[Logprobs] | None = None
+    queued_time: float | None = None  # seconds between arrival and first schedule
+    error: str | None = None
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0  # tokens, since the previous stats
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0  # since the previous stats
+    num_prompt_tokens: int = 0  # computed this step (prefill), since the previous stats
+    num_generation_tokens: int = 0

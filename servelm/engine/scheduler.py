@@ -1,0 +1,224 @@
+"""Scheduler: continuous batching with chunked prefill, prefix-cache hits and preemption.
+
+There is no prefill phase and no decode phase. Each request has `num_computed_tokens` catching
+up with `num_tokens`; every step hands out a token budget. Running requests go first (a decode
+takes one token, an unfinished prompt takes a chunk of what is left), then waiting requests are
+admitted while blocks, budget and `max_num_seqs` allow. When the pool runs dry the newest
+running request (or, under the priority policy, the lowest-priority one) is preempted: its blocks
+are freed and it is recomputed later.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from servelm.engine.kv_cache import KVCacheManager
+from servelm.engine.outputs import (
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from servelm.engine.request import Request, RequestStatus
+from servelm.engine.request_queue import make_queue
+
+
+@dataclass
+class SchedulerConfig:
+    num_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_prefix_caching: bool = True
+    policy: str = "fcfs"
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.waiting = make_queue(config.policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_ids: set[str] = set()
+        self._num_preemptions = 0
+
+    # -- requests in and out ----------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        params = request.sampling_params
+        # The whole sequence must fit the context and, alone, the KV pool (else it never runs).
+        max_len = min(self.config.max_model_len, self.config.num_blocks * self.config.block_size)
+        room = max_len - request.num_prompt_tokens
+        if room < 1:
+            raise ValueError(
+                f"This model's maximum context length is {max_len} tokens, but the prompt has "
+                f"{request.num_prompt_tokens} tokens."
+            )
+        request.max_output_tokens = min(params.max_tokens or room, room)
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def abort_requests(self, request_ids: list[str]) -> list[Request]:
+        aborted = []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished():
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+            aborted.append(request)
+        return aborted
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv.free(request)
+        self._finished_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or bool(self.waiting)
+
+    # -- one step ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        preempted = 0
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while self.kv.allocate_slots(request, num_new) is None:
+                victim = self._pick_victim()
+                if self.running.index(victim) < i:  # already scheduled this step: take it back
+                    i -= 1
+                    for k, (r, n) in enumerate(scheduled):
+                        if r is victim:
+                            budget += n
+                            del scheduled[k]
+                            break
+                self._preempt(victim)
+                preempted += 1
+                if victim is request:
+                    break
+            else:
+                scheduled.append((request, num_new))
+                budget -= num_new
+                i += 1
+
+        # Admit waiting requests only in steps without preemption: the pool is known to be tight.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit, budget)
+            if self.kv.allocate_slots(request, num_new, hit_blocks) is None:
+                break
+            self.waiting.pop()
+            self.kv.prefix_stats.record(request.num_tokens, num_hit)
+            if request.num_cached_tokens < 0:  # first admission (not a resume after preemption)
+                request.num_cached_tokens = num_hit
+                request.scheduled_time = time.time()
+            request.num_computed_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append((request, num_new))
+            budget -= num_new
+
+        out = SchedulerOutput(
+            requests=[self._describe(r, n) for r, n in scheduled],
+            finished_request_ids=self._finished_ids,
+            num_preempted=preempted,
+        )
+        self._finished_ids = set()
+        for request, n in scheduled:
+            request.num_computed_tokens += n
+        return out
+
+    def _describe(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.token_ids_slice(start, start + num_new),
+            num_computed_tokens=start,
+            block_ids=self.kv.block_ids(request.request_id),
+            sampling_params=request.sampling_params,
+            sample=start + num_new == request.num_tokens,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+            eos_token_ids=request.eos_token_ids,
+        )
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self._num_preemptions += 1
+        self.waiting.add_front(request)
+
+    # -- results ----------------------------------------------------------------------------
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        outputs = []
+        for sreq in scheduler_output.requests:
+            request = self.requests.get(sreq.request_id)
+            token = runner_output.sampled_token_ids.get(sreq.request_id)
+            if request is None or token is None or request.status != RequestStatus.RUNNING:
+                continue
+            request.output_token_ids.append(token)
+            status = self._check_stop(request, token)
+            out = EngineCoreOutput(
+                request_id=request.request_id,
+                new_token_ids=[token],
+                num_prompt_tokens=request.num_prompt_tokens,
+                num_cached_tokens=request.num_cached_tokens,
+            )
+            if request.num_output_tokens == 1 and request.scheduled_time is not None:
+                out.queued_time = max(0.0, request.scheduled_time - request.arrival_time)
+            lp = runner_output.logprobs.get(request.request_id)
+            if lp is not None:
+                out.logprobs = [lp]
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+                out.finish_reason = request.finish_reason.value
+                out.stop_token_id = request.stop_token_id
+            outputs.append(out)
+        return outputs
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        n_out = request.num_output_tokens
+        if n_out >= params.min_tokens:
+            if (token in request.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+                request.stop_token_id = token
+                return RequestStatus.FINISHED_STOPPED
+        if n_out >= request.max_output_tokens or request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def make_stats(self) -> SchedulerStats:
+        prefix = self.kv.prefix_stats.reset()
+        stats = SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv.usage(),
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+            num_preemptions=self._num_preemptions,
+        )
+        self._num_preemptions = 0
+        return stats

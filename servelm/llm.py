@@ -1,0 +1,100 @@
+"""The offline API: `LLM(model).generate(prompts, params)` and `.chat(conversations, params)`.
+
+Runs the engine core in this process: no server, no sockets. The same scheduler, model runner
+and output processor as `servelm serve`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from servelm.config import EngineArgs
+from servelm.engine.output_processor import OutputProcessor
+from servelm.engine.outputs_api import CompletionOutput, RequestOutput
+from servelm.engine.requests import child_requests, default_sampling_params
+from servelm.engine.sampling_params import SamplingParams
+from servelm.text.tokenizer import TextTokenizer
+from servelm.worker.executor import create_engine_core, resolve_model_dir
+
+logger = logging.getLogger("servelm")
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
+        self.args = EngineArgs(model=model, **engine_kwargs)
+        model_dir = resolve_model_dir(self.args)
+        self.tokenizer = TextTokenizer(model_dir)
+        self.engine, self.info = create_engine_core(self.args, model_dir)
+        self.processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    def default_sampling_params(self, **overrides: Any) -> SamplingParams:
+        return default_sampling_params(self.tokenizer, **overrides)
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt together (one continuous batch); results in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        if sampling_params is None:
+            sampling_params = self.default_sampling_params()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        results: list[RequestOutput] = []
+        by_child: dict[str, tuple[RequestOutput, CompletionOutput]] = {}
+        for i, (prompt, params) in enumerate(zip(prompts, sampling_params, strict=True)):
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            rid = f"offline-{next(self._ids)}"
+            result = RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids, [])
+            for j, req in enumerate(child_requests(rid, ids, params, self.tokenizer.eos_token_ids,
+                                                   priority[i] if priority else 0)):
+                completion = CompletionOutput(index=j)
+                result.outputs.append(completion)
+                by_child[req.request_id] = (result, completion)
+                self.processor.add_request(req.request_id, req.sampling_params)
+                self.engine.add_request(req)
+            results.append(result)
+        self._run(by_child)
+        return results
+
+    def chat(
+        self,
+        conversations: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # type: ignore[list-item]
+        prompts = [self.tokenizer.encode_chat(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params)
+
+    def _run(self, by_child: dict[str, tuple[RequestOutput, CompletionOutput]]) -> None:
+        pending = set(by_child)
+        while pending:
+            if not self.engine.has_unfinished_requests():
+                raise RuntimeError(f"engine stopped with {len(pending)} requests unanswered")
+            outputs, _ = self.engine.step()
+            for out in outputs:
+                delta = self.processor.process(out)
+                if delta is None:
+                    continue
+                result, completion = by_child[out.request_id]
+                completion.text += delta.text
+                completion.token_ids.extend(delta.token_ids)
+                if delta.logprobs:
+                    completion.logprobs = (completion.logprobs or []) + delta.logprobs
+                result.num_cached_tokens = max(result.num_cached_tokens, delta.num_cached_tokens)
+                if delta.finished:
+                    completion.finish_reason = delta.finish_reason
+                    pending.discard(out.request_id)
+                    if delta.abort_engine:
+                        self.engine.abort_requests([out.request_id])

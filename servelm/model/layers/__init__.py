@@ -1,0 +1,1 @@
+"""Building blocks of decoder-only transformers: norm, rotary embedding, attention, MLP."""

@@ -1,0 +1,127 @@
+"""The Llama family (Llama 2/3/3.1, SmolLM, Mistral, Qwen2) as one decoder-only model.
+
+Projections are fused at load time: q/k/v into `qkv_proj` and gate/up into `gate_up_proj`, so
+a layer runs two matmuls where the checkpoint has five. Attention over the paged KV cache is
+delegated to the `attn` object passed to `forward` (the worker's attention backend); the model
+knows nothing about blocks, batches or devices.
+
+Tokens of every request in a step are flattened into one [T] sequence (no padding):
+
+    input_ids  [T]         positions [T]          hidden [T, hidden_size]
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from servelm.model.config import ModelSpec
+from servelm.model.loader import PackedShards
+from servelm.model.layers.norm import RMSNorm
+from servelm.model.layers.rotary import RotaryEmbedding
+
+
+class PagedAttention(Protocol):
+    def __call__(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] of this step's tokens -> attention output [T, Hq, D]."""
+        ...
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        q, kv = spec.q_size, spec.kv_size
+        self.qkv_proj = nn.Linear(spec.hidden_size, q + 2 * kv, bias=spec.attention_bias)
+        shards = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}
+        self.qkv_proj.shards = PackedShards(shards)
+        self.o_proj = nn.Linear(q, spec.hidden_size, bias=False)
+        self.split = (q, kv, kv)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, attn: PagedAttention
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        T = x.shape[0]
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        q, k = rope(positions, q, k)
+        out = attn(self.layer_idx, q, k, v)
+        return self.o_proj(out.reshape(T, -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        inter = spec.intermediate_size
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * inter, bias=False)
+        self.gate_up_proj.shards = PackedShards({"gate": (0, inter), "up": (inter, inter)})
+        self.down_proj = nn.Linear(inter, spec.hidden_size, bias=False)
+        self.inter = inter
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = LlamaAttention(spec, layer_idx)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = LlamaMLP(spec)
+
+    def forward(self, x, positions, rope, attn):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name fragment -> (our fused parameter fragment, shard)
+    packed_modules = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"),
+        "up_proj": ("gate_up_proj", "up"),
+    }
+
+    def __init__(self, spec: ModelSpec, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, i) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.rope = RotaryEmbedding(
+            spec.head_dim, max_positions or spec.max_position_embeddings, spec.rope_theta, spec.rope_scaling
+        )
+        if spec.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+
+    def checkpoint_name(self, param_name: str) -> str:
+        """Our parameter name as the HF checkpoint spells it (without the fused shard)."""
+        if param_name.startswith("lm_head."):
+            return param_name
+        return "model." + param_name
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: PagedAttention
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, self.rope, attn)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()

@@ -1,0 +1,126 @@
+"""Weight loading from `*.safetensors` (memory-mapped, sharded via the index) into a model.
+
+Every failure names the file and the tensor: a missing shard, a missing tensor, a shape that
+does not match the config. Checkpoint names are mapped onto fused parameters through the
+model's `packed_modules`; each fused module carries `shards` saying which rows are whose.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+
+class WeightLoadError(RuntimeError):
+    pass
+
+
+class PackedShards:
+    """Loads checkpoint tensors into their rows of a fused parameter (q/k/v, gate/up)."""
+
+    def __init__(self, offsets: dict[str, tuple[int, int]]) -> None:
+        self.offsets = offsets  # shard name -> (first row, number of rows)
+
+    def shard_shape(self, param: torch.Tensor, shard: str) -> tuple[int, ...]:
+        return (self.offsets[shard][1], *param.shape[1:])
+
+    def __call__(self, param: torch.Tensor, tensor: torch.Tensor, shard: str) -> None:
+        start, size = self.offsets[shard]
+        param.data[start : start + size].copy_(tensor)
+
+
+# Tensors some checkpoints carry that a model computes itself.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({model_dir / f for f in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise WeightLoadError(f"{index} lists shards that are missing: {', '.join(missing)}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise WeightLoadError(f"no *.safetensors files in {model_dir}")
+    return files
+
+
+def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[Path, str, torch.Tensor]]:
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield path, name, f.get_tensor(name)
+
+
+def load_weights(model: nn.Module, model_dir: str | Path) -> None:
+    """Fill every parameter of `model` from the checkpoint in `model_dir`, in the model's dtype."""
+    packed: dict[str, tuple[str, str]] = getattr(model, "packed_modules", {})
+    # Which (checkpoint name) each of our parameter slices expects.
+    expected: dict[str, tuple[str, str | None]] = {}
+    for pname, _ in model.named_parameters():
+        ckpt = model.checkpoint_name(pname)
+        targets = [(src, shard) for src, (frag, shard) in packed.items() if f".{frag}." in ckpt]
+        if targets:
+            for src, shard in targets:
+                frag = packed[src][0]
+                expected[ckpt.replace(f".{frag}.", f".{src}.")] = (pname, shard)
+        else:
+            expected[ckpt] = (pname, None)
+
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for path, name, tensor in iter_checkpoint(model_dir):
+        if name.endswith(_IGNORED_SUFFIXES) or name not in expected:
+            continue
+        pname, shard = expected[name]
+        param = params[pname]
+        # A fused module names which rows each checkpoint tensor fills (weight and bias alike).
+        loader = getattr(model.get_submodule(pname.rsplit(".", 1)[0]), "shards", None)
+        with torch.no_grad():
+            if loader is not None:
+                want = loader.shard_shape(param, shard)
+                if tuple(tensor.shape) != want:
+                    raise WeightLoadError(
+                        f"{path.name}: tensor {name} has shape {tuple(tensor.shape)}, "
+                        f"expected {want} from config.json"
+                    )
+                loader(param, tensor.to(param.dtype), shard)
+            else:
+                if tensor.shape != param.shape:
+                    raise WeightLoadError(
+                        f"{path.name}: tensor {name} has shape {tuple(tensor.shape)}, "
+                        f"expected {tuple(param.shape)} from config.json"
+                    )
+                param.data.copy_(tensor.to(param.dtype))
+        loaded.add(name)
+
+    missing = sorted(set(expected) - loaded)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise WeightLoadError(f"checkpoint in {model_dir} lacks tensors: {shown}")
+
+
+
+def build_model(model_dir: str | Path, spec, dtype: torch.dtype, device: torch.device, max_positions: int):
+    """Construct the model without initialising weights, then fill it from the checkpoint."""
+    from servelm.model.llama import LlamaForCausalLM
+    from servelm.model.layers.rotary import RotaryEmbedding
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(spec, max_positions)
+    model.to_empty(device=device)
+    model.to(dtype)
+    # The rotary table is computed, not loaded, and stays in float32 for accuracy.
+    with torch.device(device):
+        model.rope = RotaryEmbedding(spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling)
+    load_weights(model, model_dir)
+    return model.eval()

@@ -1,0 +1,1 @@
+"""Text side of a model: tokenizer, chat template, generation defaults, streaming detokenizer."""

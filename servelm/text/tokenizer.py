@@ -1,0 +1,120 @@
+"""Tokenizer of a model folder: `tokenizer.json`, special tokens, chat template, generation defaults."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
+from servelm.text.chat_template import ChatTemplateError, render_chat_template
+
+_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
+
+@dataclass
+class GenerationDefaults:
+    """Sampling defaults a model ships in generation_config.json (used when a request sets none)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):  # {"content": "<s>", ...} form of older configs
+        return value.get("content")
+    return value
+
+
+class TextTokenizer:
+    def __init__(self, model_dir: str | Path) -> None:
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found: servelm needs a fast tokenizer (tokenizer.json)")
+        self.tokenizer = Tokenizer.from_file(str(path))
+        cfg = _read_json(model_dir / "tokenizer_config.json")
+        self.special_tokens = {k: t for k in _SPECIAL_KEYS if (t := _token_text(cfg.get(k))) is not None}
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        jinja_file = model_dir / "chat_template.jinja"
+        if template is None and jinja_file.is_file():
+            template = jinja_file.read_text()
+        self.chat_template: str | None = template
+
+        gen = _read_json(model_dir / "generation_config.json")
+        model_cfg = _read_json(model_dir / "config.json")
+        eos = gen.get("eos_token_id", model_cfg.get("eos_token_id"))
+        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        if not eos_ids and "eos_token" in self.special_tokens:
+            tid = self.tokenizer.token_to_id(self.special_tokens["eos_token"])
+            eos_ids = [tid] if tid is not None else []
+        self.generation_defaults = GenerationDefaults(
+            temperature=gen.get("temperature") if gen.get("do_sample", True) else None,
+            top_p=gen.get("top_p"),
+            top_k=gen.get("top_k"),
+            repetition_penalty=gen.get("repetition_penalty"),
+            eos_token_ids=eos_ids,
+        )
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return self.generation_defaults.eos_token_ids
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        **extra: Any,
+    ) -> str:
+        if not self.chat_template:
+            raise ChatTemplateError("this model has no chat template; use the completions API")
+        return render_chat_template(
+            self.chat_template, messages, add_generation_prompt, self.special_tokens, tools, **extra
+        )
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kw: Any) -> list[int]:
+        # The rendered template already holds every special token it wants.
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kw), False)
+
+    def decode_stream(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.tokenizer, skip_special_tokens)
+
+
+class IncrementalDetokenizer:
+    """Turns tokens into text as they arrive; a piece that ends mid-character waits for the rest.
+
+    The concatenation of every returned piece equals decoding all tokens at once.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool) -> None:
+        self._tokenizer = tokenizer
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+
+    def step(self, token_id: int) -> str:
+        return self._stream.step(self._tokenizer, token_id) or ""
+
+
+__all__ = ["ChatTemplateError", "GenerationDefaults", "IncrementalDetokenizer", "TextTokenizer"]

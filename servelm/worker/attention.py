@@ -1,0 +1,117 @@
+"""Paged attention on plain torch: writes this step's K/V into the cache, reads it back by block.
+
+The cache of one layer is two tensors of shape [num_blocks * block_size, Hkv, D]; a token's
+slot is `block_id * block_size + offset`. A request's block table lists its blocks in order:
+
+    block table  [ 7, 2, 9 ]          block_size = 4, context of 10 tokens
+    slots        28 29 30 31 | 8 9 10 11 | 36 37
+
+Decode requests (one query token each) are attended together in one padded batch; prefill
+chunks one request at a time with a causal mask offset by the tokens already cached.
+The slot indices are built once per step (`AttentionMetadata`) and shared by every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    start: int  # first row of this request in the step's flattened tokens
+    num_tokens: int  # query tokens in this step
+    context_slots: torch.Tensor  # [context_len] cache slots of every token so far (incl. these)
+    causal: torch.Tensor | None  # [num_tokens, context_len] mask, None when context == queries
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
+    decode_rows: torch.Tensor | None  # [Bd] rows of the decode tokens in the flattened batch
+    decode_slots: torch.Tensor | None  # [Bd, max_ctx] cache slots to read (padded)
+    decode_mask: torch.Tensor | None  # [Bd, 1, 1, max_ctx] True where a slot is real
+    prefills: list[PrefillChunk]
+
+
+def build_metadata(
+    seqs: list[tuple[int, int, list[int]]], block_size: int, device: torch.device
+) -> AttentionMetadata:
+    """seqs: per request (num_computed_tokens, num_new_tokens, block_ids), in batch order."""
+    slot_parts, prefills = [], []
+    decode_rows, decode_tables, decode_lens = [], [], []
+    row = 0
+    for num_computed, num_new, block_ids in seqs:
+        ctx = num_computed + num_new
+        table = torch.tensor(block_ids, dtype=torch.long)
+        pos = torch.arange(ctx, dtype=torch.long)
+        slots = table[pos // block_size] * block_size + pos % block_size
+        slot_parts.append(slots[num_computed:])
+        if num_new == 1 and num_computed > 0:
+            decode_rows.append(row)
+            decode_tables.append(slots)
+            decode_lens.append(ctx)
+        else:
+            causal = None
+            if num_computed:
+                q_pos = torch.arange(num_computed, ctx).unsqueeze(1)
+                causal = (pos.unsqueeze(0) <= q_pos).to(device)
+            prefills.append(PrefillChunk(row, num_new, slots.to(device), causal))
+        row += num_new
+
+    meta = AttentionMetadata(torch.cat(slot_parts).to(device), None, None, None, prefills)
+    if decode_rows:
+        max_ctx = max(decode_lens)
+        padded = torch.zeros(len(decode_rows), max_ctx, dtype=torch.long)
+        for i, slots in enumerate(decode_tables):
+            padded[i, : len(slots)] = slots
+        lens = torch.tensor(decode_lens)
+        meta.decode_rows = torch.tensor(decode_rows, device=device)
+        meta.decode_slots = padded.to(device)
+        meta.decode_mask = (torch.arange(max_ctx).unsqueeze(0) < lens.unsqueeze(1)).view(
+            len(decode_rows), 1, 1, max_ctx
+        ).to(device)
+    return meta
+
+
+class TorchPagedAttention:
+    """The reference backend: correct on CPU and CUDA, built from index ops and SDPA."""
+
+    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> None:
+        self.kv_caches = kv_caches
+        self.scale = scale
+        self.meta: AttentionMetadata | None = None
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        meta = self.meta
+        k_cache, v_cache = self.kv_caches[layer_idx]
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        gqa = q.shape[1] != k.shape[1]
+        if meta.decode_rows is not None:
+            qd = q[meta.decode_rows].unsqueeze(2)  # [Bd, Hq, 1, D]
+            kd = k_cache[meta.decode_slots].transpose(1, 2)  # [Bd, Hkv, ctx, D]
+            vd = v_cache[meta.decode_slots].transpose(1, 2)
+            od = F.scaled_dot_product_attention(
+                qd, kd, vd, attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=gqa
+            )
+            out[meta.decode_rows] = od.squeeze(2)
+        for chunk in meta.prefills:
+            rows = slice(chunk.start, chunk.start + chunk.num_tokens)
+            qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+            kp = k_cache[chunk.context_slots].transpose(0, 1).unsqueeze(0)
+            vp = v_cache[chunk.context_slots].transpose(0, 1).unsqueeze(0)
+            op = F.scaled_dot_product_attention(
+                qp,
+                kp,
+                vp,
+                attn_mask=chunk.causal,
+                is_causal=chunk.causal is None,
+                scale=self.scale,
+                enable_gqa=gqa,
+            )
+            out[rows] = op.squeeze(0).transpose(0, 1)
+        return out

@@ -1,0 +1,79 @@
+"""Builds a ready EngineCore for a model: resolve the folder, load weights, size the KV cache.
+
+This is where torch meets the torch-free engine: the model runner is the engine's executor.
+Start-up stages are logged with their timings.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from servelm.config import EngineArgs
+from servelm.engine.core import EngineCore
+from servelm.engine.scheduler import SchedulerConfig
+from servelm.model.config import ModelSpec, load_spec
+from servelm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("servelm")
+
+
+@dataclass
+class EngineInfo:
+    model_dir: Path
+    spec: ModelSpec
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    device: str
+    dtype: str
+
+
+def resolve_model_dir(args: EngineArgs) -> Path:
+    from servelm.store.fetch import resolve_model
+
+    return Path(resolve_model(args.model, args.store, args.revision))
+
+
+def create_engine_core(args: EngineArgs, model_dir: Path | None = None) -> tuple[EngineCore, EngineInfo]:
+    model_dir = model_dir or resolve_model_dir(args)
+    spec = load_spec(model_dir)
+    max_model_len = args.max_model_len or spec.max_position_embeddings
+    if max_model_len > spec.max_position_embeddings and not spec.rope_scaling:
+        raise ValueError(
+            f"--max-model-len {max_model_len} exceeds the model's context {spec.max_position_embeddings}"
+        )
+    runner = ModelRunner(model_dir, spec, dtype=args.dtype, device=args.device,
+                         block_size=args.block_size, max_model_len=max_model_len, seed=args.seed)
+    logger.info("weights loaded in %.2f s: %.3f GiB (%s, %s)", runner.load_seconds,
+                runner.weight_bytes / 2**30, runner.dtype, runner.device)
+    t0 = time.perf_counter()
+    num_blocks = runner.profile_num_blocks(args.kv_cache_memory, args.gpu_memory_utilization,
+                                           args.max_num_batched_tokens)
+    if num_blocks < 1:
+        raise ValueError("no memory left for the KV cache; raise --kv-cache-memory or "
+                         "--gpu-memory-utilization")
+    runner.allocate_kv_cache(num_blocks)
+    tokens = num_blocks * args.block_size
+    logger.info(
+        "KV cache: %d tokens in %d blocks of %d (%.3f GiB, %d B/token); max concurrency at "
+        "%d tokens: %.2fx", tokens, num_blocks, args.block_size,
+        num_blocks * runner.bytes_per_block / 2**30, runner.bytes_per_block // args.block_size,
+        max_model_len, tokens / max_model_len,
+    )
+    runner.warm_up(args.max_num_batched_tokens)
+    logger.info("warm-up done in %.2f s", time.perf_counter() - t0)
+    config = SchedulerConfig(
+        num_blocks=num_blocks,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enable_prefix_caching=args.enable_prefix_caching,
+        policy=args.scheduling_policy,
+    )
+    info = EngineInfo(model_dir, spec, max_model_len, num_blocks, args.block_size,
+                      str(runner.device), str(runner.dtype).replace("torch.", ""))
+    return EngineCore(config, runner), info

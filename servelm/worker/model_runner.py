@@ -1,0 +1,173 @@
+"""ModelRunner: owns the model and its KV cache on one device; runs one step of the scheduler.
+
+`execute` turns a `SchedulerOutput` into flat tensors (token ids, positions, slot mapping,
+block tables), runs one forward over the mixed batch and samples one token for every request
+whose prompt is complete. Per-request state kept here is only the seeded random generator.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from servelm.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from servelm.model.config import ModelSpec
+from servelm.model.loader import build_model
+from servelm.worker.attention import TorchPagedAttention, build_metadata
+from servelm.worker.sampler import SamplingBatch, sample
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, spec: ModelSpec, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        name = spec.torch_dtype if spec.torch_dtype in _DTYPES else "float32"
+        if device.type == "cpu" and name == "float16":
+            name = "bfloat16"  # CPU float16 matmuls are slow and rarely accurate enough
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+@dataclass
+class KVCacheSpec:
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        spec: ModelSpec,
+        *,
+        dtype: str = "auto",
+        device: str = "auto",
+        block_size: int = 16,
+        max_model_len: int,
+        seed: int = 0,
+    ) -> None:
+        self.spec = spec
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, spec, self.device)
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        torch.manual_seed(seed)
+        t0 = time.perf_counter()
+        self.model = build_model(model_dir, spec, self.dtype, self.device, max_model_len)
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.load_seconds = time.perf_counter() - t0
+        self.attn: TorchPagedAttention | None = None
+        self.generators: dict[str, torch.Generator] = {}
+
+    # -- KV cache -------------------------------------------------------------------------
+    @property
+    def bytes_per_block(self) -> int:
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return self.spec.kv_bytes_per_token(itemsize) * self.block_size
+
+    def profile_num_blocks(self, kv_cache_memory: int | None, gpu_memory_utilization: float,
+                           max_num_batched_tokens: int) -> int:
+        """How many blocks the KV budget buys: bytes given, or (CUDA) what a profiling run leaves."""
+        if kv_cache_memory is None and self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._dummy_forward(max_num_batched_tokens)
+            peak = torch.cuda.max_memory_allocated(self.device)
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            kv_cache_memory = int(total * gpu_memory_utilization - peak)
+            logger.info("profiling: peak %.2f GiB of %.2f GiB", peak / 2**30, total / 2**30)
+        if kv_cache_memory is None:
+            kv_cache_memory = 1 << 30
+        return max(0, kv_cache_memory // self.bytes_per_block)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        shape = (num_blocks * self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(self.spec.num_layers)
+        ]
+        self.attn = TorchPagedAttention(caches, self.spec.head_dim**-0.5)
+        self.num_blocks = num_blocks
+
+    def _dummy_forward(self, num_tokens: int) -> None:
+        """A forward without a KV cache of its own: writes into a throwaway single block."""
+        num_tokens = max(1, min(num_tokens, self.max_model_len))
+        scratch = [
+            (torch.zeros(num_tokens + self.block_size, self.spec.num_kv_heads, self.spec.head_dim,
+                         dtype=self.dtype, device=self.device),) * 2
+            for _ in range(self.spec.num_layers)
+        ]
+        attn = TorchPagedAttention(scratch, self.spec.head_dim**-0.5)
+        blocks = list(range(-(-num_tokens // self.block_size)))
+        attn.meta = build_metadata([(0, num_tokens, blocks)], self.block_size, self.device)
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        pos = torch.arange(num_tokens, device=self.device)
+        with torch.inference_mode():
+            self.model.compute_logits(self.model(ids, pos, attn)[-1:])
+
+    def warm_up(self, max_num_batched_tokens: int) -> None:
+        self._dummy_forward(min(max_num_batched_tokens, 256))
+        self._dummy_forward(1)
+
+    # -- one step -------------------------------------------------------------------------
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        for rid in so.finished_request_ids:
+            self.generators.pop(rid, None)
+        if not so.requests:
+            return ModelRunnerOutput({})
+
+        ids: list[int] = []
+        positions: list[int] = []
+        seqs = []
+        sample_rows: list[int] = []
+        sampled = []
+        for r in so.requests:
+            n = len(r.token_ids)
+            ids.extend(r.token_ids)
+            positions.extend(range(r.num_computed_tokens, r.num_computed_tokens + n))
+            seqs.append((r.num_computed_tokens, n, r.block_ids))
+            if r.sample:
+                sample_rows.append(len(ids) - 1)
+                sampled.append(r)
+
+        device = self.device
+        self.attn.meta = build_metadata(seqs, self.block_size, device)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=device)
+        pos = torch.tensor(positions, dtype=torch.long, device=device)
+        with torch.inference_mode():
+            hidden = self.model(input_ids, pos, self.attn)
+            if not sampled:
+                return ModelRunnerOutput({})
+            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=device)])
+            batch = SamplingBatch(sampled, [self._generator(r.request_id, r.sampling_params.seed) for r in sampled])
+            tokens, lps = sample(logits, batch)
+        out = ModelRunnerOutput({r.request_id: t for r, t in zip(sampled, tokens, strict=True)})
+        for r, lp in zip(sampled, lps, strict=True):
+            if lp is not None:
+                out.logprobs[r.request_id] = lp
+        return out
+
+    def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
+        if seed is None:
+            return None
+        gen = self.generators.get(request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(seed)
+            self.generators[request_id] = gen
+        return gen

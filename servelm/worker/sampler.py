@@ -1,0 +1,131 @@
+"""Sampler: one path from logits to next tokens for a whole batch, with per-request settings.
+
+Order of operations (each skipped when no request in the batch uses it):
+  raw logprobs (what `logprobs` reports) -> penalties -> min_tokens masking -> greedy argmax, or
+  temperature -> top-k -> top-p -> min-p -> sample.
+A request with a seed draws from its own generator, so its tokens do not depend on what else
+is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from servelm.engine.outputs import Logprobs, ScheduledRequest
+
+
+@dataclass
+class SamplingBatch:
+    requests: list[ScheduledRequest]
+    generators: list[torch.Generator | None]
+
+
+def _token_counts(ids_per_row: list[list[int]], vocab: int, device) -> torch.Tensor:
+    counts = torch.zeros(len(ids_per_row), vocab, device=device)
+    for i, ids in enumerate(ids_per_row):
+        if ids:
+            t = torch.tensor(ids, device=device)
+            counts[i].index_add_(0, t, torch.ones_like(t, dtype=counts.dtype))
+    return counts
+
+
+def apply_penalties(logits: torch.Tensor, reqs: list[ScheduledRequest]) -> torch.Tensor:
+    vocab = logits.shape[1]
+    device = logits.device
+    rep = torch.tensor([r.sampling_params.repetition_penalty for r in reqs], device=device)
+    if bool((rep != 1.0).any()):
+        seen = _token_counts([r.prompt_token_ids + r.output_token_ids for r in reqs], vocab, device) > 0
+        penalized = torch.where(logits > 0, logits / rep[:, None], logits * rep[:, None])
+        logits = torch.where(seen, penalized, logits)
+    pres = torch.tensor([r.sampling_params.presence_penalty for r in reqs], device=device)
+    freq = torch.tensor([r.sampling_params.frequency_penalty for r in reqs], device=device)
+    if bool((pres != 0).any() or (freq != 0).any()):
+        counts = _token_counts([r.output_token_ids for r in reqs], vocab, device)
+        logits = logits - freq[:, None] * counts - pres[:, None] * (counts > 0).float()
+    return logits
+
+
+def mask_stop_tokens_before_min(logits: torch.Tensor, reqs: list[ScheduledRequest]) -> torch.Tensor:
+    for i, r in enumerate(reqs):
+        p = r.sampling_params
+        if len(r.output_token_ids) < p.min_tokens:
+            stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
+            if stop_ids:
+                logits[i, stop_ids] = float("-inf")
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, reqs: list[ScheduledRequest]) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p, vectorised over the batch (rows are not greedy)."""
+    device = logits.device
+    temp = torch.tensor([max(r.sampling_params.temperature, 1e-5) for r in reqs], device=device)
+    logits = logits / temp[:, None]
+    vocab = logits.shape[1]
+    top_k = torch.tensor(
+        [r.sampling_params.top_k if r.sampling_params.top_k > 0 else vocab for r in reqs], device=device
+    )
+    top_p = torch.tensor([r.sampling_params.top_p for r in reqs], device=device)
+    min_p = torch.tensor([r.sampling_params.min_p for r in reqs], device=device)
+    if bool((top_k < vocab).any() or (top_p < 1).any()):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=device).unsqueeze(0)
+        drop = ranks >= top_k[:, None]
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        # Keep the smallest set whose mass reaches top_p (the token that crosses it stays).
+        mass_before = probs.cumsum(dim=-1) - probs
+        drop |= mass_before >= top_p[:, None]
+        drop[:, 0] = False
+        logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    if bool((min_p > 0).any()):
+        probs = logits.softmax(dim=-1)
+        threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[list[int], list[Logprobs | None]]:
+    """logits: float32 [B, V], one row per request in `batch` order."""
+    reqs = batch.requests
+    want_logprobs = [r.sampling_params.logprobs for r in reqs]
+    raw_logprobs = logits.log_softmax(dim=-1) if any(k is not None for k in want_logprobs) else None
+
+    if any(_needs_penalty(r) for r in reqs):
+        logits = apply_penalties(logits, reqs)
+    if any(len(r.output_token_ids) < r.sampling_params.min_tokens for r in reqs):
+        logits = mask_stop_tokens_before_min(logits.clone(), reqs)
+
+    greedy = [r.sampling_params.greedy for r in reqs]
+    tokens = logits.argmax(dim=-1)
+    if not all(greedy):
+        idx = [i for i, g in enumerate(greedy) if not g]
+        sub_reqs = [reqs[i] for i in idx]
+        probs = filter_logits(logits[idx], sub_reqs).softmax(dim=-1)
+        # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p.
+        noise = torch.empty_like(probs)
+        for j, i in enumerate(idx):
+            noise[j].exponential_(generator=batch.generators[i])
+        tokens[idx] = (probs / noise).argmax(dim=-1)
+
+    token_list = tokens.tolist()
+    lps: list[Logprobs | None] = [None] * len(reqs)
+    if raw_logprobs is not None:
+        for i, k in enumerate(want_logprobs):
+            if k is None:
+                continue
+            row = raw_logprobs[i]
+            tok = token_list[i]
+            lp = float(row[tok])
+            rank = int((row > row[tok]).sum()) + 1
+            top = []
+            if k > 0:
+                vals, ids = row.topk(k)
+                top = list(zip(ids.tolist(), vals.tolist(), strict=True))
+            lps[i] = Logprobs(tok, lp, rank, top)
+    return token_list, lps
+
+
+def _needs_penalty(r: ScheduledRequest) -> bool:
+    p = r.sampling_params
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0 or p.frequency_penalty != 0
