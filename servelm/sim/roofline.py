@@ -1,0 +1,226 @@
+"""Step-time model: how long one engine step takes on a device, from a roofline.
+
+One scheduler step runs one forward pass over a mixed batch (prefill chunks and
+one-token decodes). Its time is
+
+    max(FLOPs / (peak_flops x compute_efficiency),
+        bytes / (mem_bandwidth x bandwidth_efficiency))
+    + tensor-parallel all-reduce time + step_overhead_s
+
+where bytes = the weights, streamed once per step whatever the batch size, plus the KV
+cache of every token the step's requests attend to, plus the KV written for new tokens.
+FLOPs = 2 x matmul params per new token (LM head only for tokens that get sampled) +
+4 x layers x query heads x head_dim per (query, key) attention pair (QK^T and PV).
+Activations are ignored: small next to weights and KV at serving batch sizes.
+
+Invariants: every figure on a ModelCost is per GPU (one TP rank); `step_time` is
+monotonic in every token count; an empty step costs nothing.
+
+The built-in GPU profiles take datasheet peaks from the planner's GPU catalog and one
+set of default efficiencies, chosen from what serving engines sustain, never fitted to
+a case:
+
+- compute_efficiency 0.40: large GEMMs reach 60-70 % of the dense tensor-core peak, but a
+  whole step also runs attention, norms, rotary and activation kernels on ragged shapes,
+  so whole-step model-FLOPs utilisation lands near 40 %.
+- bandwidth_efficiency 0.75: HBM copy kernels reach ~90 % of the datasheet rate; the
+  skinny GEMMs of a decode step stream weights at ~70-80 %.
+- step_overhead_s 2 ms: CPU work a Python engine does every step (schedule, build input
+  tensors, launch the CUDA graph, sample, hand tokens back), 1-3 ms in practice.
+- allreduce_latency_s 10 us: one small NCCL all-reduce inside an NVLink server.
+
+A CPU (or any device) profile comes from measured rates via `measured_profile`; measured
+rates are already achieved rates, so its efficiencies are 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from servelm.planner.catalog import GPUS, GpuSpec, get_gpu
+from servelm.planner.shapes import KV_BYTES, UNQUANTISED_BYTES, ModelShape
+
+GPU_COMPUTE_EFFICIENCY = 0.40
+GPU_BANDWIDTH_EFFICIENCY = 0.75
+GPU_STEP_OVERHEAD_S = 2e-3
+ALLREDUCE_LATENCY_S = 10e-6
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """What one device sustains: peaks, the fraction of them reached, and fixed costs."""
+
+    name: str
+    peak_flops: float  # dense FLOP/s for the matmul dtype
+    mem_bandwidth: float  # bytes/s between device memory and compute
+    compute_efficiency: float  # fraction of peak_flops a whole step sustains (0-1]
+    bandwidth_efficiency: float  # fraction of mem_bandwidth a whole step sustains (0-1]
+    step_overhead_s: float  # fixed seconds per step, independent of batch (CPU-side work)
+    link_bandwidth: float = 0.0  # GPU-to-GPU bytes/s one direction, for TP all-reduces
+    allreduce_latency_s: float = ALLREDUCE_LATENCY_S  # fixed cost of one all-reduce
+
+    def effective_flops(self) -> float:
+        return self.peak_flops * self.compute_efficiency
+
+    def effective_bandwidth(self) -> float:
+        return self.mem_bandwidth * self.bandwidth_efficiency
+
+
+def gpu_profile(gpu: str | GpuSpec, dtype: str = "bf16") -> DeviceProfile:
+    """A catalog GPU with default efficiencies; `dtype` picks the tensor-core peak (fp8/bf16)."""
+    spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
+    return DeviceProfile(
+        name=f"{spec.name} ({dtype})",
+        peak_flops=spec.peak_flops(dtype),
+        mem_bandwidth=spec.mem_bandwidth,
+        compute_efficiency=GPU_COMPUTE_EFFICIENCY,
+        bandwidth_efficiency=GPU_BANDWIDTH_EFFICIENCY,
+        step_overhead_s=GPU_STEP_OVERHEAD_S,
+        link_bandwidth=spec.link_bandwidth,
+    )
+
+
+PROFILES: dict[str, DeviceProfile] = {key: gpu_profile(spec) for key, spec in GPUS.items()}
+
+
+def measured_profile(
+    flops: float, bandwidth: float, step_overhead_s: float = 0.0, name: str = "cpu"
+) -> DeviceProfile:
+    """A profile from measured (achieved) FLOP/s and bytes/s, e.g. a CPU after calibration."""
+    if flops <= 0 or bandwidth <= 0 or step_overhead_s < 0:
+        raise ValueError("measured flops and bandwidth must be positive, overhead non-negative")
+    return DeviceProfile(name, flops, bandwidth, 1.0, 1.0, step_overhead_s)
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """Per-GPU work of one model: FLOPs per token and pair, bytes per step and per token."""
+
+    name: str
+    linear_flops_per_token: float  # 2 x decoder-block matmul params on this rank
+    lm_head_flops_per_token: float  # 2 x vocab x hidden / tp, for sampled tokens only
+    attention_flops_per_pair: float  # 4 x layers x query heads on rank x head_dim
+    weight_bytes_per_step: float  # weights streamed from memory once per step
+    kv_bytes_per_token: float  # KV bytes of one token on this rank
+    tp: int = 1
+    allreduces_per_step: int = 0  # 2 per layer when tp > 1
+    allreduce_bytes_per_token: float = 0.0  # hidden x 2 bytes (bf16 activations)
+
+    @classmethod
+    def from_shape(
+        cls, shape: ModelShape, weight_dtype: str = "bf16", kv_dtype: str = "bf16", tp: int = 1
+    ) -> ModelCost:
+        q_heads, kv_heads = shape.heads_per_gpu(tp)
+        q_o, k_v = shape.attention_params()
+        linear = shape.num_layers * (
+            (q_o + shape.mlp_params()) / tp + k_v * kv_heads // shape.num_kv_heads
+        )
+        # An untied input embedding is only gathered row by row, never streamed whole.
+        untied_embedding = 0 if shape.tie_embeddings else shape.embedding_params() / tp
+        return cls(
+            name=f"{shape.name} {weight_dtype}/{kv_dtype} tp={tp}",
+            linear_flops_per_token=2 * linear,
+            lm_head_flops_per_token=2 * shape.embedding_params() / tp,
+            attention_flops_per_pair=4 * shape.num_layers * q_heads * shape.head_dim,
+            weight_bytes_per_step=shape.weight_bytes(weight_dtype, tp)
+            - untied_embedding * UNQUANTISED_BYTES,
+            kv_bytes_per_token=shape.kv_bytes_per_token(kv_dtype, tp),
+            tp=tp,
+            allreduces_per_step=2 * shape.num_layers if tp > 1 else 0,
+            allreduce_bytes_per_token=shape.hidden_size * KV_BYTES["bf16"],
+        )
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """One step's time split by resource; `total_s` is what the simulator advances by."""
+
+    flops: float
+    bytes: float
+    compute_s: float
+    memory_s: float
+    comm_s: float
+    overhead_s: float
+    total_s: float
+
+    @property
+    def bound(self) -> str:
+        return "compute" if self.compute_s >= self.memory_s else "memory"
+
+
+def pairs_for_request(new_tokens: int, prior_tokens: int) -> int:
+    """(query, key) pairs one request computes: each new token sees the prior KV and
+    the new tokens up to itself (causal). A decode step is pairs_for_request(1, context)."""
+    return new_tokens * prior_tokens + new_tokens * (new_tokens + 1) // 2
+
+
+def step_cost(
+    profile: DeviceProfile,
+    cost: ModelCost,
+    prefill_tokens: int,
+    decode_tokens: int,
+    context_tokens_read: int,
+    attention_pairs: int | None = None,
+    sampled_tokens: int | None = None,
+) -> StepCost:
+    """Cost of one step; see `step_time` for the arguments."""
+    if min(prefill_tokens, decode_tokens, context_tokens_read) < 0:
+        raise ValueError("token counts must be non-negative")
+    new_tokens = prefill_tokens + decode_tokens
+    if new_tokens == 0:
+        return StepCost(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    if attention_pairs is None:  # exact for decode-only steps and one fresh prefill
+        attention_pairs = (
+            context_tokens_read + decode_tokens + prefill_tokens * (prefill_tokens + 1) // 2
+        )
+    if sampled_tokens is None:
+        sampled_tokens = decode_tokens + (1 if prefill_tokens else 0)
+    flops = (
+        cost.linear_flops_per_token * new_tokens
+        + cost.lm_head_flops_per_token * sampled_tokens
+        + cost.attention_flops_per_pair * attention_pairs
+    )
+    nbytes = cost.weight_bytes_per_step + cost.kv_bytes_per_token * (
+        context_tokens_read + new_tokens
+    )
+    comm = 0.0
+    if cost.tp > 1 and cost.allreduces_per_step:
+        if profile.link_bandwidth <= 0:
+            raise ValueError(f"{profile.name} has no link bandwidth for tp={cost.tp}")
+        ring = 2 * (cost.tp - 1) / cost.tp  # share of the message each rank sends in a ring
+        per_allreduce = ring * new_tokens * cost.allreduce_bytes_per_token / profile.link_bandwidth
+        comm = cost.allreduces_per_step * (profile.allreduce_latency_s + per_allreduce)
+    compute_s = flops / profile.effective_flops()
+    memory_s = nbytes / profile.effective_bandwidth()
+    total = max(compute_s, memory_s) + comm + profile.step_overhead_s
+    return StepCost(flops, nbytes, compute_s, memory_s, comm, profile.step_overhead_s, total)
+
+
+def step_time(
+    profile: DeviceProfile,
+    cost: ModelCost,
+    prefill_tokens: int,
+    decode_tokens: int,
+    context_tokens_read: int,
+    attention_pairs: int | None = None,
+    sampled_tokens: int | None = None,
+) -> float:
+    """Seconds one engine step takes.
+
+    prefill_tokens: prompt tokens computed this step, summed over requests.
+    decode_tokens: requests taking a one-token decode step.
+    context_tokens_read: KV tokens already cached that the step's requests attend to
+        (a decode's context; the earlier chunks or prefix hit of a prefill).
+    attention_pairs: sum of `pairs_for_request(new, prior)` over the step's requests; when
+        None it is estimated as exact for decode-only steps and a single fresh prefill.
+    sampled_tokens: tokens that get logits (default: decodes + one if any prefill).
+    """
+    return step_cost(
+        profile,
+        cost,
+        prefill_tokens,
+        decode_tokens,
+        context_tokens_read,
+        attention_pairs,
+        sampled_tokens,
+    ).total_s

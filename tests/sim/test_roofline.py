@@ -1,0 +1,97 @@
+"""Step-time roofline: datasheet H100 profile (no fitting) against the worked latencies."""
+
+import dataclasses
+
+import pytest
+
+from servelm.planner.catalog import get_model
+from servelm.sim.roofline import (
+    PROFILES,
+    ModelCost,
+    gpu_profile,
+    measured_profile,
+    pairs_for_request,
+    step_cost,
+    step_time,
+)
+
+H100 = PROFILES["h100-80gb"]
+LLAMA_8B = ModelCost.from_shape(get_model("llama-3.1-8b"))
+
+
+def test_h100_profile_is_the_datasheet():
+    assert H100.peak_flops == 989.4e12 and H100.mem_bandwidth == 3.35e12
+    assert 0.3 <= H100.compute_efficiency <= 0.6
+    assert 0.7 <= H100.bandwidth_efficiency <= 0.85
+    assert gpu_profile("h100", dtype="fp8").peak_flops == pytest.approx(
+        2 * H100.peak_flops, rel=1e-3
+    )
+
+
+def test_llama_8b_prefill_2000_tokens_about_100ms():
+    t = step_time(H100, LLAMA_8B, prefill_tokens=2000, decode_tokens=0, context_tokens_read=0)
+    assert t == pytest.approx(0.100, rel=0.30)
+    assert step_cost(H100, LLAMA_8B, 2000, 0, 0).bound == "compute"
+
+
+def test_llama_8b_lone_decode_about_8ms():
+    t = step_time(H100, LLAMA_8B, prefill_tokens=0, decode_tokens=1, context_tokens_read=100)
+    assert t == pytest.approx(0.008, rel=0.30)
+    assert step_cost(H100, LLAMA_8B, 0, 1, 100).bound == "memory"
+
+
+def test_cost_figures():
+    # 2 x 6.98 B matmul params per token; weights read once per step, minus the untied
+    # input embedding (gathered, not streamed)
+    assert LLAMA_8B.linear_flops_per_token == pytest.approx(2 * 6.98e9, rel=0.01)
+    assert LLAMA_8B.weight_bytes_per_step == 8_030_261_248 * 2 - 2 * 128256 * 4096
+    assert LLAMA_8B.kv_bytes_per_token == 131_072
+    assert LLAMA_8B.attention_flops_per_pair == 4 * 32 * 32 * 128
+
+
+def test_decode_batching_is_nearly_free_until_kv_dominates():
+    one = step_time(H100, LLAMA_8B, 0, 1, 500)
+    many = step_time(H100, LLAMA_8B, 0, 64, 64 * 500)
+    assert many < 1.5 * one  # weights are shared by the whole batch
+    long_ctx = step_time(H100, LLAMA_8B, 0, 64, 64 * 8000)
+    assert long_ctx > 2 * one  # 64 x 8,000 tokens of KV outweigh the weights
+
+
+def test_monotonic_and_empty():
+    assert step_time(H100, LLAMA_8B, 0, 0, 0) == 0.0
+    base = step_time(H100, LLAMA_8B, 512, 32, 32 * 1000)
+    assert step_time(H100, LLAMA_8B, 1024, 32, 32 * 1000) > base
+    assert step_time(H100, LLAMA_8B, 512, 33, 33 * 1000) > base
+    with pytest.raises(ValueError):
+        step_time(H100, LLAMA_8B, -1, 0, 0)
+
+
+def test_attention_pairs():
+    assert pairs_for_request(1, 2000) == 2001  # a decode sees its context and itself
+    assert pairs_for_request(4, 0) == 10  # causal: 1 + 2 + 3 + 4
+    # a second prefill chunk costs more than its default estimate assumes
+    exact = pairs_for_request(1000, 1000)
+    assert step_time(H100, LLAMA_8B, 1000, 0, 1000, attention_pairs=exact) > step_time(
+        H100, LLAMA_8B, 1000, 0, 1000
+    )
+
+
+def test_tensor_parallel_70b():
+    cost = ModelCost.from_shape(get_model("llama-3.1-70b"), tp=4)
+    assert cost.allreduces_per_step == 160
+    assert cost.kv_bytes_per_token == 80 * 1024
+    c = step_cost(H100, cost, 0, 1, 1000)
+    assert 0 < c.comm_s < c.memory_s  # 160 small all-reduces, cheap next to 35 GB of weights
+    assert 0.010 < c.total_s < 0.030
+    with pytest.raises(ValueError):
+        step_time(dataclasses.replace(H100, link_bandwidth=0.0), cost, 0, 1, 10)
+
+
+def test_measured_cpu_profile():
+    cpu = measured_profile(flops=1e12, bandwidth=50e9, step_overhead_s=0.005)
+    assert cpu.compute_efficiency == cpu.bandwidth_efficiency == 1.0
+    tiny = ModelCost.from_shape(get_model("smollm2-135m"))
+    t = step_time(cpu, tiny, 0, 1, 10)
+    assert t == pytest.approx(tiny.weight_bytes_per_step / 50e9 + 0.005, rel=0.01)
+    with pytest.raises(ValueError):
+        measured_profile(0, 1)
