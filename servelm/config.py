@@ -40,6 +40,9 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        self.kv_cache_memory = parse_size(self.kv_cache_memory)
+
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, model_positional: bool = True) -> None:
         if model_positional:

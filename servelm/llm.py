@@ -9,10 +9,12 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from servelm.config import EngineArgs
 from servelm.engine.output_processor import OutputProcessor
+from servelm.engine.outputs import SchedulerStats
 from servelm.engine.outputs_api import CompletionOutput, RequestOutput
 from servelm.engine.requests import child_requests, default_sampling_params
 from servelm.engine.sampling_params import SamplingParams
@@ -24,6 +26,22 @@ logger = logging.getLogger("servelm")
 Prompt = str | list[int]
 
 
+@dataclass
+class EngineTotals:
+    """Counters summed over every step this LLM ran (for tests and curious users)."""
+
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    steps: int = 0
+
+    def add(self, stats: SchedulerStats) -> None:
+        self.prefix_cache_queries += stats.prefix_cache_queries
+        self.prefix_cache_hits += stats.prefix_cache_hits
+        self.num_preemptions += stats.num_preemptions
+        self.steps += 1
+
+
 class LLM:
     def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
         self.args = EngineArgs(model=model, **engine_kwargs)
@@ -32,6 +50,7 @@ class LLM:
         self.engine, self.info = create_engine_core(self.args, model_dir)
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        self.totals = EngineTotals()
 
     def default_sampling_params(self, **overrides: Any) -> SamplingParams:
         return default_sampling_params(self.tokenizer, **overrides)
@@ -82,7 +101,8 @@ class LLM:
         while pending:
             if not self.engine.has_unfinished_requests():
                 raise RuntimeError(f"engine stopped with {len(pending)} requests unanswered")
-            outputs, _ = self.engine.step()
+            outputs, stats = self.engine.step()
+            self.totals.add(stats)
             for out in outputs:
                 delta = self.processor.process(out)
                 if delta is None:
