@@ -39,6 +39,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     seed: int = 0
+    num_threads: int | None = None  # torch CPU threads; None = all cores but one (min 1)
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
@@ -64,6 +65,8 @@ class EngineArgs:
         g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
         g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
         g.add_argument("--seed", type=int, default=0)
+        g.add_argument("--num-threads", type=int, default=None,
+                       help="CPU threads for torch (default: all cores but one, leaving one for HTTP)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

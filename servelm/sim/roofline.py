@@ -5,7 +5,7 @@ one-token decodes). Its time is
 
     max(FLOPs / (peak_flops x compute_efficiency),
         bytes / (mem_bandwidth x bandwidth_efficiency))
-    + tensor-parallel all-reduce time + step_overhead_s
+    + tensor-parallel all-reduce time + step_overhead_s + per_request_s x requests
 
 where bytes = the weights, streamed once per step whatever the batch size, plus the KV
 cache of every token the step's requests attend to, plus the KV written for new tokens.
@@ -30,7 +30,9 @@ a case:
 - allreduce_latency_s 10 us: one small NCCL all-reduce inside an NVLink server.
 
 A CPU (or any device) profile comes from measured rates via `measured_profile`; measured
-rates are already achieved rates, so its efficiencies are 1.
+rates are already achieved rates, so its efficiencies are 1. `per_request_s` is host work that
+grows with the batch (per-sequence input building, attention set-up, sampling); it is 0 for the
+GPU profiles (a few microseconds there) and fitted for a CPU by `servelm.sim.calibrate`.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class DeviceProfile:
     step_overhead_s: float  # fixed seconds per step, independent of batch (CPU-side work)
     link_bandwidth: float = 0.0  # GPU-to-GPU bytes/s one direction, for TP all-reduces
     allreduce_latency_s: float = ALLREDUCE_LATENCY_S  # fixed cost of one all-reduce
+    per_request_s: float = 0.0  # extra seconds per scheduled request in a step (host work)
 
     def effective_flops(self) -> float:
         return self.peak_flops * self.compute_efficiency
@@ -84,12 +87,18 @@ PROFILES: dict[str, DeviceProfile] = {key: gpu_profile(spec) for key, spec in GP
 
 
 def measured_profile(
-    flops: float, bandwidth: float, step_overhead_s: float = 0.0, name: str = "cpu"
+    flops: float,
+    bandwidth: float,
+    step_overhead_s: float = 0.0,
+    name: str = "cpu",
+    per_request_s: float = 0.0,
 ) -> DeviceProfile:
     """A profile from measured (achieved) FLOP/s and bytes/s, e.g. a CPU after calibration."""
-    if flops <= 0 or bandwidth <= 0 or step_overhead_s < 0:
-        raise ValueError("measured flops and bandwidth must be positive, overhead non-negative")
-    return DeviceProfile(name, flops, bandwidth, 1.0, 1.0, step_overhead_s)
+    if flops <= 0 or bandwidth <= 0 or step_overhead_s < 0 or per_request_s < 0:
+        raise ValueError("measured flops and bandwidth must be positive, overheads non-negative")
+    return DeviceProfile(
+        name, flops, bandwidth, 1.0, 1.0, step_overhead_s, per_request_s=per_request_s
+    )
 
 
 @dataclass(frozen=True)
@@ -162,6 +171,7 @@ def step_cost(
     context_tokens_read: int,
     attention_pairs: int | None = None,
     sampled_tokens: int | None = None,
+    num_requests: int | None = None,
 ) -> StepCost:
     """Cost of one step; see `step_time` for the arguments."""
     if min(prefill_tokens, decode_tokens, context_tokens_read) < 0:
@@ -192,8 +202,13 @@ def step_cost(
         comm = cost.allreduces_per_step * (profile.allreduce_latency_s + per_allreduce)
     compute_s = flops / profile.effective_flops()
     memory_s = nbytes / profile.effective_bandwidth()
-    total = max(compute_s, memory_s) + comm + profile.step_overhead_s
-    return StepCost(flops, nbytes, compute_s, memory_s, comm, profile.step_overhead_s, total)
+    overhead = profile.step_overhead_s
+    if profile.per_request_s:
+        if num_requests is None:  # decodes are one request each; assume one prefill request
+            num_requests = decode_tokens + (1 if prefill_tokens else 0)
+        overhead += profile.per_request_s * num_requests
+    total = max(compute_s, memory_s) + comm + overhead
+    return StepCost(flops, nbytes, compute_s, memory_s, comm, overhead, total)
 
 
 def step_time(
@@ -204,6 +219,7 @@ def step_time(
     context_tokens_read: int,
     attention_pairs: int | None = None,
     sampled_tokens: int | None = None,
+    num_requests: int | None = None,
 ) -> float:
     """Seconds one engine step takes.
 
@@ -214,6 +230,8 @@ def step_time(
     attention_pairs: sum of `pairs_for_request(new, prior)` over the step's requests; when
         None it is estimated as exact for decode-only steps and a single fresh prefill.
     sampled_tokens: tokens that get logits (default: decodes + one if any prefill).
+    num_requests: requests in the step, for `profile.per_request_s` (default: decodes + one
+        if any prefill).
     """
     return step_cost(
         profile,
@@ -223,4 +241,5 @@ def step_time(
         context_tokens_read,
         attention_pairs,
         sampled_tokens,
+        num_requests,
     ).total_s

@@ -46,7 +46,8 @@ def create_engine_core(args: EngineArgs, model_dir: Path | None = None) -> tuple
             f"--max-model-len {max_model_len} exceeds the model's context {spec.max_position_embeddings}"
         )
     runner = ModelRunner(model_dir, spec, dtype=args.dtype, device=args.device,
-                         block_size=args.block_size, max_model_len=max_model_len, seed=args.seed)
+                         block_size=args.block_size, max_model_len=max_model_len, seed=args.seed,
+                         num_threads=args.num_threads)
     logger.info("weights loaded in %.2f s: %.3f GiB (%s, %s)", runner.load_seconds,
                 runner.weight_bytes / 2**30, runner.dtype, runner.device)
     t0 = time.perf_counter()

@@ -8,6 +8,7 @@ whose prompt is complete. Per-request state kept here is only the seeded random 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +60,7 @@ class ModelRunner:
         block_size: int = 16,
         max_model_len: int,
         seed: int = 0,
+        num_threads: int | None = None,
     ) -> None:
         self.spec = spec
         self.device = resolve_device(device)
@@ -66,6 +68,9 @@ class ModelRunner:
         self.block_size = block_size
         self.max_model_len = max_model_len
         torch.manual_seed(seed)
+        if self.device.type == "cpu":
+            # OpenMP threads that must share a core with the API process stall each other badly.
+            torch.set_num_threads(num_threads or max(1, (os.cpu_count() or 2) - 1))
         t0 = time.perf_counter()
         self.model = build_model(model_dir, spec, self.dtype, self.device, max_model_len)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())

@@ -1,0 +1,164 @@
+"""Terminal report of a benchmark: a live progress bar and summary tables (rich)."""
+
+from __future__ import annotations
+
+from types import TracebackType
+from typing import Any
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.table import Table
+
+from servelm.bench.results import BenchResult, Load, RequestRecord
+
+
+class RichProgress:
+    """A progress bar per load level, counting finished and failed requests."""
+
+    def __init__(self, console: Console | None = None) -> None:
+        self._progress = Progress(
+            TextColumn("[bold]{task.description:>14}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("[red]{task.fields[failed]} failed"),
+            TimeElapsedColumn(),
+            console=console,
+        )
+        self._task: TaskID | None = None
+        self._failed = 0
+
+    def __enter__(self) -> RichProgress:
+        self._progress.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._progress.stop()
+
+    def start_level(self, load: Load, total: int | None) -> None:
+        self._failed = 0
+        self._task = self._progress.add_task(load.label(), total=total, failed=0)
+
+    def request_done(self, record: RequestRecord) -> None:
+        if self._task is None:
+            return
+        self._failed += 0 if record.ok else 1
+        self._progress.update(self._task, advance=1, failed=self._failed)
+
+    def end_level(self) -> None:
+        if self._task is not None:
+            task = self._progress.tasks[-1]
+            self._progress.update(self._task, total=task.completed)
+        self._task = None
+
+
+def _ms(dist: dict[str, Any], key: str) -> str:
+    value = dist.get(key)
+    return "-" if value is None else f"{value:,.0f}" if value >= 100 else f"{value:.1f}"
+
+
+def _num(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def summary_table(result: BenchResult) -> Table:
+    """One row per load level: counts, throughput, latency percentiles (ms), goodput."""
+    slo = result.config.get("slo", {})
+    table = Table(title=f"servelm bench · {result.config.get('model')}", title_justify="left")
+    for name in ("load", "ok", "failed", "req/s", "out tok/s", "TTFT p50", "TTFT p99"):
+        table.add_column(name, justify="right")
+    for name in ("TPOT p50", "TPOT p99", "ITL p99", "E2E p50", "goodput/s", "SLO met"):
+        table.add_column(name, justify="right")
+    for run in result.runs:
+        s = run.summary
+        table.add_row(
+            run.load.label(),
+            str(s["completed"]),
+            f"[red]{s['failed']}" if s["failed"] else "0",
+            _num(s["request_throughput"]),
+            _num(s["output_throughput"], 1),
+            _ms(s["ttft_ms"], "p50"),
+            _ms(s["ttft_ms"], "p99"),
+            _ms(s["tpot_ms"], "p50"),
+            _ms(s["tpot_ms"], "p99"),
+            _ms(s["itl_ms"], "p99"),
+            _ms(s["e2e_ms"], "p50"),
+            _num(s["goodput"]),
+            f"{s['slo_attainment']:.0%}",
+        )
+    table.caption = (
+        f"latencies in ms · SLO: TTFT ≤ {slo.get('ttft_ms')} ms, TPOT ≤ {slo.get('tpot_ms')} ms"
+    )
+    return table
+
+
+def server_table(result: BenchResult) -> Table | None:
+    """Server-side metrics per level, or None if no level scraped any."""
+    if not any(run.server for run in result.runs):
+        return None
+    table = Table(title="server /metrics (delta over each level)", title_justify="left")
+    columns = ("load", "prefix hit", "peak KV", "peak wait", "peak run", "preempt", "TTFT p50")
+    for name in columns:
+        table.add_column(name, justify="right")
+    for run in result.runs:
+        m = run.server or {}
+        hit = m.get("prefix_cache_hit_rate")
+        kv = m.get("peak_kv_cache_usage_perc")
+        table.add_row(
+            run.load.label(),
+            "-" if hit is None else f"{hit:.0%}",
+            "-" if kv is None else f"{kv:.0%}",
+            _num(m.get("peak_num_requests_waiting"), 0),
+            _num(m.get("peak_num_requests_running"), 0),
+            _num(m.get("num_preemptions"), 0),
+            _ms(m, "ttft_p50_ms"),
+        )
+    return table
+
+
+def error_lines(result: BenchResult) -> list[str]:
+    """One line per level that had failures: counts by status and a sample message."""
+    lines = []
+    for run in result.runs:
+        errors = run.summary["errors"]
+        if not errors:
+            continue
+        counts = ", ".join(f"{kind}: {n}" for kind, n in errors.items())
+        sample = next((r.error_message for r in run.requests if r.error_message), None)
+        lines.append(f"{run.load.label()} failed requests by status: {counts}")
+        if sample:
+            lines.append(f"  e.g. {sample}")
+    return lines
+
+
+def print_report(result: BenchResult, console: Console | None = None) -> None:
+    """Print the summary tables, capacity at SLO (for a sweep) and any errors."""
+    console = console or Console()
+    console.print(summary_table(result))
+    server = server_table(result)
+    if server is not None:
+        console.print(server)
+    if len(result.runs) > 1:
+        threshold = result.config.get("capacity_threshold", 0.9)
+        cap = result.capacity
+        if cap is None:
+            console.print(f"capacity at SLO: none (the lowest level met it for < {threshold:.0%})")
+        else:
+            label = Load.from_dict(cap["load"]).label()
+            console.print(
+                f"capacity at SLO: [bold]{label}[/] (≥ {threshold:.0%} of requests met the SLO; "
+                f"goodput {cap['goodput']:.2f} req/s)"
+            )
+    for line in error_lines(result):
+        console.print(line, style="red", markup=False, highlight=False)

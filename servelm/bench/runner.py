@@ -1,0 +1,254 @@
+"""Runs a benchmark: warm-up, closed- or open-loop arrivals per load level, sweeps, capacity.
+
+Closed loop: `concurrency` workers each send their next request as soon as the last one ends.
+Open loop: requests start on a schedule of gamma-distributed gaps with mean 1/rate (shape =
+burstiness; 1.0 is a Poisson process), whether or not earlier ones have finished, optionally
+capped at `max_concurrency` in flight. The schedule is absolute (due times add up), so a slow
+event loop delays requests but does not lower the rate it catches up to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import random
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import replace
+from typing import Protocol
+
+import httpx
+from tokenizers import Tokenizer
+
+from servelm.bench.client import (
+    Target,
+    auth_headers,
+    build_payload,
+    normalise_base_url,
+    send_request,
+)
+from servelm.bench.config import BenchConfig
+from servelm.bench.results import BenchResult, Load, RequestRecord, RunResult
+from servelm.bench.server_metrics import MetricsWatcher
+from servelm.bench.stats import capacity_at_slo, summarize
+from servelm.bench.workload import RequestSpec, Workload, build_workload
+
+Send = Callable[[RequestSpec], Awaitable[RequestRecord]]
+
+
+class BenchError(Exception):
+    """The benchmark could not start (server unreachable, no model, bad workload)."""
+
+
+class ProgressSink(Protocol):
+    """Receives progress events; report.RichProgress draws them as a progress bar."""
+
+    def start_level(self, load: Load, total: int | None) -> None: ...
+
+    def request_done(self, record: RequestRecord) -> None: ...
+
+    def end_level(self) -> None: ...
+
+
+async def run_benchmark(
+    config: BenchConfig,
+    *,
+    tokenizer: Tokenizer | None = None,
+    progress: ProgressSink | None = None,
+) -> BenchResult:
+    """Run every load level of `config` in turn and collect the results.
+
+    `tokenizer` overrides `config.tokenizer` (handy for tests with an in-memory tokenizer).
+    Raises BenchError if the run cannot start; failed requests do not raise.
+    """
+    try:
+        chosen = tokenizer if tokenizer is not None else config.tokenizer
+        workload = build_workload(config.workload, config.seed, chosen)
+    except (OSError, ValueError, ImportError, RuntimeError) as exc:
+        hint = "" if chosen is not None else " (pass --tokenizer DIR)"
+        raise BenchError(f"cannot build the workload: {exc}{hint}") from exc
+    root, api_url = normalise_base_url(config.base_url)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(limits=limits, timeout=config.timeout_s) as client:
+        model = config.model or await first_model(client, api_url, config.api_key)
+        target = Target(
+            api_url=api_url,
+            model=model,
+            endpoint=config.endpoint,
+            api_key=config.api_key,
+            ignore_eos=config.ignore_eos,
+            temperature=config.temperature,
+            timeout_s=config.timeout_s,
+        )
+        try:  # fail before sending anything if workload and endpoint do not fit
+            build_payload(target, workload.request(0, "check"))
+        except ValueError as exc:
+            raise BenchError(str(exc)) from exc
+        watcher = None
+        if config.server_metrics:
+            headers = auth_headers(config.api_key)
+            watcher = MetricsWatcher(client, root + "/metrics", headers, config.metrics_interval_s)
+        runs = []
+        for level, load in enumerate(config.loads):
+            runs.append(
+                await run_level(client, target, workload, config, load, level, watcher, progress)
+            )
+    return BenchResult({**config.to_dict(), "model": model}, runs, capacity(runs, config))
+
+
+async def run_sweep(
+    config: BenchConfig,
+    loads: Iterable[Load],
+    *,
+    tokenizer: Tokenizer | None = None,
+    progress: ProgressSink | None = None,
+) -> BenchResult:
+    """`run_benchmark` over the given load levels instead of `config.loads`."""
+    swept = replace(config, loads=tuple(loads))
+    return await run_benchmark(swept, tokenizer=tokenizer, progress=progress)
+
+
+async def first_model(client: httpx.AsyncClient, api_url: str, api_key: str | None) -> str:
+    """The first model id listed by GET /v1/models."""
+    try:
+        response = await client.get(api_url + "/models", headers=auth_headers(api_key))
+    except httpx.HTTPError as exc:
+        raise BenchError(f"cannot reach {api_url}/models: {exc!r}") from exc
+    if response.status_code != 200:
+        raise BenchError(f"GET {api_url}/models: HTTP {response.status_code}; pass --model")
+    try:
+        return str(response.json()["data"][0]["id"])
+    except (ValueError, KeyError, IndexError, TypeError) as exc:
+        raise BenchError(f"GET {api_url}/models listed no model; pass --model") from exc
+
+
+async def run_level(
+    client: httpx.AsyncClient,
+    target: Target,
+    workload: Workload,
+    config: BenchConfig,
+    load: Load,
+    level: int = 0,
+    watcher: MetricsWatcher | None = None,
+    progress: ProgressSink | None = None,
+) -> RunResult:
+    """One load level: warm-up (uncounted), then the measured requests, then the summary."""
+    width = load.concurrency or load.max_concurrency or 1
+    if config.warmup:
+        warm = _Source(workload, f"warmup{level}", config.warmup, None)
+        zero = time.perf_counter()
+        await closed_loop(lambda s: send_request(client, target, s, zero), warm, width)
+    source = _Source(workload, f"level{level}", config.num_requests, config.duration_s)
+    if watcher is not None:
+        await watcher.start()
+    if progress is not None:
+        progress.start_level(load, config.num_requests)
+    t0 = time.perf_counter()
+
+    async def send(spec: RequestSpec) -> RequestRecord:
+        record = await send_request(client, target, spec, t0)
+        if progress is not None:
+            progress.request_done(record)
+        return record
+
+    source.begin(t0)
+    if load.concurrency is not None:
+        records = await closed_loop(send, source, load.concurrency)
+    else:
+        rng = random.Random(f"{config.seed}/arrivals/{level}")
+        records = await open_loop(send, source, load, rng)
+    duration = time.perf_counter() - t0
+    if progress is not None:
+        progress.end_level()
+    server = await watcher.stop() if watcher is not None else None
+    records.sort(key=lambda r: r.index)
+    return RunResult(load, summarize(records, duration, config.slo), server, records)
+
+
+class _Source:
+    """Hands out the requests of one level until the count or the deadline is reached."""
+
+    def __init__(
+        self, workload: Workload, stream: str, limit: int | None, duration_s: float | None
+    ) -> None:
+        self._workload, self._stream = workload, stream
+        self._limit, self._duration_s = limit, duration_s
+        # build prompts before the clock starts when we know how many there will be
+        self._specs = [workload.request(i, stream) for i in range(limit)] if limit else None
+        self._counter = itertools.count()
+        self._deadline = math.inf
+
+    def begin(self, now: float) -> None:
+        self._deadline = now + self._duration_s if self._duration_s is not None else math.inf
+
+    def next(self) -> RequestSpec | None:
+        if time.perf_counter() >= self._deadline:
+            return None
+        i = next(self._counter)
+        if self._limit is not None and i >= self._limit:
+            return None
+        return (
+            self._specs[i] if self._specs is not None else self._workload.request(i, self._stream)
+        )
+
+
+async def closed_loop(send: Send, source: _Source, concurrency: int) -> list[RequestRecord]:
+    """`concurrency` workers, each sending its next request when its last one finishes."""
+    records: list[RequestRecord] = []
+
+    async def worker() -> None:
+        while (spec := source.next()) is not None:
+            records.append(await send(spec))
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return records
+
+
+async def open_loop(
+    send: Send, source: _Source, load: Load, rng: random.Random
+) -> list[RequestRecord]:
+    """Start requests on a gamma-arrival schedule at `load.rate`, never waiting for replies."""
+    rate = load.rate if load.rate is not None else math.inf
+    cap = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
+
+    async def capped(spec: RequestSpec) -> RequestRecord:
+        if cap is None:
+            return await send(spec)
+        async with cap:
+            return await send(spec)
+
+    tasks = []
+    due = time.perf_counter()
+    while True:
+        delay = due - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        spec = source.next()
+        if spec is None:
+            break
+        tasks.append(asyncio.create_task(capped(spec)))
+        due += inter_arrival(rng, rate, load.burstiness)
+    return list(await asyncio.gather(*tasks))
+
+
+def inter_arrival(rng: random.Random, rate: float, burstiness: float = 1.0) -> float:
+    """A gap (s) before the next arrival: gamma(shape=burstiness) with mean 1/rate."""
+    if math.isinf(rate):
+        return 0.0
+    return rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
+
+
+def capacity(runs: list[RunResult], config: BenchConfig) -> dict[str, object] | None:
+    """The highest load level whose SLO attainment is at least the threshold (stats docs)."""
+    levels = [(run.load.value, run.summary["slo_attainment"]) for run in runs]
+    best = capacity_at_slo(levels, config.capacity_threshold)
+    if best is None:
+        return None
+    run = runs[best]
+    return {
+        "load": run.load.to_dict(),
+        "goodput": run.summary["goodput"],
+        "slo_attainment": run.summary["slo_attainment"],
+        "threshold": config.capacity_threshold,
+    }

@@ -1,0 +1,256 @@
+"""Benchmark workloads: presets, length distributions, token-exact synthetic prompts, datasets.
+
+Invariant: a request is a pure function of (seed, stream, index). Two runs with the same seed
+send identical work, and request i never depends on how many requests were drawn before it (so
+a `--duration` run sends a prefix of what a `--num-requests` run sends). Each load level of a
+sweep draws from its own stream, so a level cannot hit the prefix cache on an earlier level's
+prompts; the shared-prefix system prompt is the one thing common to every stream.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer
+
+# preset -> (input tokens, output tokens, shared prefix tokens)
+PRESETS: dict[str, tuple[int, int, int]] = {
+    "chat": (500, 250, 0),
+    "rag": (6000, 250, 0),
+    "shared-prefix": (100, 250, 1000),
+}
+LENGTH_DISTS = ("fixed", "uniform", "lognormal")
+_MAX_ROUNDS = 8  # re-encode rounds before accepting a prompt that is a token or two off
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """What to send. Lengths are means for the uniform and lognormal distributions."""
+
+    preset: str = "chat"
+    input_len: int = 500
+    output_len: int = 250
+    prefix_len: int = 0
+    len_dist: str = "fixed"
+    len_spread: float = 0.5  # uniform: +-spread*mean; lognormal: sigma
+    dataset: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.len_dist not in LENGTH_DISTS:
+            raise ValueError(f"len_dist must be one of {LENGTH_DISTS}, got {self.len_dist!r}")
+        if self.input_len < 0 or self.output_len < 1 or self.prefix_len < 0:
+            raise ValueError("need input_len >= 0, output_len >= 1, prefix_len >= 0")
+
+    @classmethod
+    def from_preset(cls, preset: str = "chat", **overrides: Any) -> WorkloadSpec:
+        """A preset's lengths, with any non-None override (input_len=..., len_dist=...) applied."""
+        if preset not in PRESETS:
+            raise ValueError(f"unknown workload preset {preset!r}; choose from {sorted(PRESETS)}")
+        input_len, output_len, prefix_len = PRESETS[preset]
+        fields = {"input_len": input_len, "output_len": output_len, "prefix_len": prefix_len}
+        fields.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(preset=preset, **fields)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One request's content. Chat sends `messages`, or [system?, user=prompt];
+    completions sends system + prompt as one string (a `messages`-only request cannot)."""
+
+    index: int
+    prompt: str | None = None
+    system: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    prompt_tokens: int | None = None  # local count of everything above; None if unknown
+    output_tokens: int | None = None  # max_tokens to ask for
+
+
+def sample_length(rng: random.Random, mean: int, dist: str, spread: float) -> int:
+    """A length drawn from `dist` around `mean`; never below 1 (0 only for a fixed 0)."""
+    if dist == "fixed" or mean == 0:
+        return mean
+    if dist == "uniform":
+        low = max(1, round(mean * (1 - spread)))
+        return rng.randint(low, max(low, round(mean * (1 + spread))))
+    if dist == "lognormal":  # mu chosen so that the mean is `mean`
+        mu = math.log(mean) - spread * spread / 2
+        return max(1, round(rng.lognormvariate(mu, spread)))
+    raise ValueError(f"unknown length distribution {dist!r}")
+
+
+class PromptBuilder:
+    """Builds text with an exact token count under one tokenizer, from a word-ish vocabulary.
+
+    The vocabulary is every token that decodes to a short lowercase ASCII word which is still a
+    single token with a leading space, and the first word is one token without it, so
+    " ".join(words) encodes to one token per word with most tokenizers; where it does not, the
+    count is corrected by adding or dropping words and re-encoding.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self.words = word_vocabulary(tokenizer)
+        if not self.words:
+            raise ValueError("tokenizer has no word-like tokens to build prompts from")
+        # words that are one token even without a leading space, to open a prompt with
+        bare = tokenizer.encode_batch(self.words, add_special_tokens=False)
+        self.first_words = [w for w, enc in zip(self.words, bare, strict=True) if len(enc.ids) == 1]
+        self.first_words = self.first_words or self.words
+
+    def count(self, text: str) -> int:
+        return len(self._tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def build(self, rng: random.Random, num_tokens: int) -> tuple[str, int]:
+        """(text, its real token count); the count is exact unless the tokenizer resists."""
+        if num_tokens <= 0:
+            return "", 0
+        words = [rng.choice(self.first_words), *rng.choices(self.words, k=num_tokens - 1)]
+        for round_ in range(_MAX_ROUNDS):
+            text = " ".join(words)
+            count = self.count(text)
+            if count == num_tokens or round_ == _MAX_ROUNDS - 1:
+                break
+            excess = count - num_tokens
+            if excess >= len(words):  # too long even at this few words: draw them again
+                words = rng.choices(self.first_words, k=len(words))
+            elif excess > 0:
+                del words[len(words) - excess :]
+            else:
+                words += rng.choices(self.words, k=-excess)
+        return text, count
+
+
+def word_vocabulary(tokenizer: Tokenizer) -> list[str]:
+    """Sorted, de-duplicated words that are one token each both alone and after a space."""
+    size = tokenizer.get_vocab_size(with_added_tokens=False)
+    decoded = tokenizer.decode_batch([[i] for i in range(size)], skip_special_tokens=True)
+    candidates = sorted({w for s in decoded if _wordish(w := s.strip())})
+    spaced = tokenizer.encode_batch([" " + w for w in candidates], add_special_tokens=False)
+    single = [w for w, enc in zip(candidates, spaced, strict=True) if len(enc.ids) == 1]
+    return single if len(single) >= 16 else candidates
+
+
+def _wordish(word: str) -> bool:
+    return 2 <= len(word) <= 12 and word.isascii() and word.isalpha() and word.islower()
+
+
+class Workload:
+    """The deterministic request stream for one benchmark config."""
+
+    def __init__(
+        self,
+        spec: WorkloadSpec,
+        seed: int,
+        builder: PromptBuilder | None = None,
+        dataset: list[dict[str, Any]] | None = None,
+    ) -> None:
+        if dataset is None and builder is None:
+            raise ValueError("a synthetic workload needs a tokenizer (PromptBuilder)")
+        if dataset is not None and not dataset:
+            raise ValueError("the dataset is empty")
+        self.spec = spec
+        self.seed = seed
+        self._builder = builder
+        self._dataset = dataset
+        self.system: str | None = None
+        self._system_tokens = 0
+        if dataset is None and spec.prefix_len > 0 and builder is not None:
+            rng = random.Random(f"{seed}/prefix")
+            self.system, self._system_tokens = builder.build(rng, spec.prefix_len)
+
+    def request(self, index: int, stream: str = "main") -> RequestSpec:
+        rng = random.Random(f"{self.seed}/{stream}/{index}")
+        spec = self.spec
+        output_len = sample_length(rng, spec.output_len, spec.len_dist, spec.len_spread)
+        if self._dataset is not None:
+            return self._dataset_request(
+                index, self._dataset[index % len(self._dataset)], output_len
+            )
+        assert self._builder is not None  # checked in __init__
+        input_len = sample_length(rng, spec.input_len, spec.len_dist, spec.len_spread)
+        prompt, count = self._builder.build(rng, input_len)
+        return RequestSpec(
+            index=index,
+            prompt=prompt,
+            system=self.system,
+            prompt_tokens=count + self._system_tokens,
+            output_tokens=output_len,
+        )
+
+    def _dataset_request(self, index: int, item: dict[str, Any], output_len: int) -> RequestSpec:
+        texts = (
+            [item["prompt"]] if "prompt" in item else [m.get("content") for m in item["messages"]]
+        )
+        count = None
+        if self._builder is not None and all(isinstance(t, str) for t in texts):
+            count = sum(self._builder.count(t) for t in texts)
+        return RequestSpec(
+            index=index,
+            prompt=item.get("prompt"),
+            messages=item.get("messages"),
+            prompt_tokens=count,
+            output_tokens=item.get("max_tokens", output_len),
+        )
+
+
+def load_dataset(path: str | Path) -> list[dict[str, Any]]:
+    """Read JSONL lines of {"prompt": str} or {"messages": [...]}, each with optional max_tokens."""
+    items = []
+    for lineno, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{lineno}: not JSON: {exc}") from None
+        ok_prompt = isinstance(item, dict) and isinstance(item.get("prompt"), str)
+        ok_messages = isinstance(item, dict) and isinstance(item.get("messages"), list)
+        if not (ok_prompt or ok_messages):
+            raise ValueError(f'{path}:{lineno}: need a "prompt" string or a "messages" list')
+        max_tokens = item.get("max_tokens")
+        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+            raise ValueError(f"{path}:{lineno}: max_tokens must be a positive integer")
+        items.append(item)
+    return items
+
+
+def load_tokenizer(path: str | Path | None) -> Tokenizer:
+    """A tokenizer from a folder holding tokenizer.json (or the file itself).
+
+    With no path, the servelm default model's tokenizer (fetched if it is not there yet).
+    """
+    if path is None:
+        from servelm.store.default import ensure_default_model  # lazy: the store may download
+
+        found = ensure_default_model()
+        path = getattr(found, "path", found)
+    file = Path(path)
+    if file.is_dir():
+        file = file / "tokenizer.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"no tokenizer.json at {path}")
+    return Tokenizer.from_file(str(file))
+
+
+def build_workload(
+    spec: WorkloadSpec, seed: int, tokenizer: Tokenizer | str | Path | None = None
+) -> Workload:
+    """A Workload for `spec`. Synthetic prompts need a tokenizer (default: the default model's);
+    a dataset uses one only if given, to count prompt tokens locally."""
+    if spec.dataset is not None:
+        dataset = load_dataset(spec.dataset)
+        if tokenizer is None:
+            return Workload(spec, seed, dataset=dataset)
+    else:
+        dataset = None
+    if not isinstance(tokenizer, Tokenizer):
+        tokenizer = load_tokenizer(tokenizer)
+    return Workload(spec, seed, PromptBuilder(tokenizer), dataset)

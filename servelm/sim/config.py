@@ -1,0 +1,162 @@
+"""SimConfig: the deployment a simulation models, and how it resolves to engine settings.
+
+A deployment is `replicas` identical copies of one engine (model, device profile, KV pool and
+scheduler knobs) behind a router. KV blocks per replica come from the planner's memory math
+(GPU memory x utilisation - weights - allowance) unless `num_blocks` is given; a measured (CPU)
+profile has no GPU memory to size from, so it gets `kv_cache_gb` (default 1 GiB, the engine's
+CPU default).
+
+Scheduler defaults are those of a GPU deployment, not of servelm's CPU engine: 256 sequences
+per step (vLLM's default on data-centre GPUs) and a 2,048-token step budget (chunked prefill).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from servelm.bench.stats import SLO
+from servelm.bench.workload import WorkloadSpec
+from servelm.engine.scheduler import SchedulerConfig
+from servelm.planner.catalog import get_gpu, resolve_model
+from servelm.planner.plan import plan
+from servelm.planner.shapes import ModelShape
+from servelm.sim.roofline import DeviceProfile, ModelCost, gpu_profile
+
+POLICIES = ("round-robin", "least-loaded")
+CPU_KV_CACHE_GB = 2**30 / 1e9  # the engine's CPU default: 1 GiB
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """What to simulate. `profile=None` means the datasheet profile of `gpu`."""
+
+    model: str = "llama-3.1-8b"  # catalog name, hub id or folder with config.json
+    gpu: str = "h100-80gb"
+    profile: DeviceProfile | None = None
+    dtype: str = "bf16"
+    kv_dtype: str = "bf16"
+    tp: int = 1
+    replicas: int = 1
+    policy: str = "round-robin"
+    num_blocks: int | None = None  # per replica; None: from the planner (or kv_cache_gb)
+    gpu_memory_utilization: float = 0.9
+    allowance_gb: float = 2.0
+    kv_cache_gb: float | None = None  # KV pool per replica for a measured profile
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
+    workload: WorkloadSpec = field(default_factory=WorkloadSpec)
+    num_requests: int = 2000
+    seed: int = 0
+    record_itl: bool = False  # keep every inter-token gap (memory and JSON grow per token)
+    slo: SLO = field(default_factory=lambda: SLO(ttft_ms=1000.0, tpot_ms=None))
+    capacity_threshold: float = 0.99  # 0.99 of requests within the TTFT SLO = p99 < SLO
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown routing policy {self.policy!r}; choose from {POLICIES}")
+        if self.num_requests < 1:
+            raise ValueError("num_requests must be >= 1")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError("num_blocks must be >= 1")
+
+    def with_(self, **changes: Any) -> SimConfig:
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready, in the spirit of BenchConfig.to_dict (plots read model and slo)."""
+        profile = self.profile or gpu_profile(self.gpu, self.dtype)
+        return {
+            "source": "servelm simulate",
+            "model": self.model,
+            "gpu": self.gpu if self.profile is None else None,
+            "profile": profile_dict(profile),
+            "dtype": self.dtype,
+            "kv_dtype": self.kv_dtype,
+            "tp": self.tp,
+            "replicas": self.replicas,
+            "policy": self.policy,
+            "num_blocks": self.num_blocks,
+            "block_size": self.block_size,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "max_model_len": self.max_model_len,
+            "enable_prefix_caching": self.enable_prefix_caching,
+            "scheduling_policy": self.scheduling_policy,
+            "workload": self.workload.to_dict(),
+            "num_requests": self.num_requests,
+            "seed": self.seed,
+            "ignore_eos": True,
+            "slo": self.slo.to_dict(),
+            "capacity_threshold": self.capacity_threshold,
+        }
+
+
+def profile_dict(profile: DeviceProfile) -> dict[str, Any]:
+    return dict(profile.__dict__)
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """A SimConfig resolved: the numbers every replica is built from."""
+
+    config: SimConfig
+    shape: ModelShape
+    cost: ModelCost
+    profile: DeviceProfile
+    scheduler: SchedulerConfig
+
+    @property
+    def replicas(self) -> int:
+        return self.config.replicas
+
+
+def resolve(config: SimConfig) -> Deployment:
+    """Look up the model and GPU, size the KV pool, build the per-replica scheduler config."""
+    shape = resolve_model(config.model)
+    cost = ModelCost.from_shape(shape, config.dtype, config.kv_dtype, config.tp)
+    profile = config.profile or gpu_profile(config.gpu, config.dtype)
+    max_len = config.max_model_len or shape.max_context
+    num_blocks = config.num_blocks or kv_blocks(config, shape, max_len)
+    scheduler = SchedulerConfig(
+        num_blocks=num_blocks,
+        block_size=config.block_size,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=max_len,
+        enable_prefix_caching=config.enable_prefix_caching,
+        policy=config.scheduling_policy,
+    )
+    return Deployment(config, shape, cost, profile, scheduler)
+
+
+def kv_blocks(config: SimConfig, shape: ModelShape, max_len: int) -> int:
+    """Blocks per replica: the planner's pool on a GPU, `kv_cache_gb` on a measured profile."""
+    if config.profile is not None and config.kv_cache_gb is None:
+        kv_gb = CPU_KV_CACHE_GB
+    else:
+        kv_gb = config.kv_cache_gb
+    if kv_gb is not None:
+        per_block = shape.kv_bytes_per_token(config.kv_dtype, config.tp) * config.block_size
+        blocks = int(kv_gb * 1e9 // per_block)
+    else:
+        blocks = plan(
+            shape,
+            get_gpu(config.gpu),
+            config.dtype,
+            config.kv_dtype,
+            config.tp,
+            config.gpu_memory_utilization,
+            min(max_len, shape.max_context),
+            config.allowance_gb,
+            config.block_size,
+        ).kv_capacity_blocks
+    if blocks < 1:
+        raise ValueError(f"no room for a KV cache: {shape.name} leaves no memory on {config.gpu}")
+    return blocks

@@ -1,0 +1,235 @@
+"""The discrete-event loop: replicas of the REAL engine core stepping on a virtual clock.
+
+Each replica is an `EngineCore` (real scheduler, real KV manager) whose executor is a
+`SimExecutor`, plus `free_at`, the virtual time its device is next free. Events are
+arrivals (known up front) and steps. The loop repeatedly takes the earlier of
+
+    the next arrival            -> route it to a replica; an idle replica wakes at that time
+    the busy replica with the   -> step it: the step starts at free_at, lasts the executor's
+    smallest free_at               priced time, and its tokens appear at the step's end
+
+An arrival at exactly a step's start joins that step. Tokens a step samples are stamped with
+the step's end: TTFT = first token - arrival, e2e = last token - arrival. Routing sees each
+replica as of its latest step, whose results count as done even while it is still running.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from servelm.engine.core import EngineCore
+from servelm.engine.request import Request
+from servelm.engine.sampling_params import SamplingParams
+from servelm.sim.config import Deployment
+from servelm.sim.executor import SimExecutor
+from servelm.sim.workload import SimRequest, offered_duration_s
+
+TIMELINE_POINTS = 200  # samples of queue depth and KV usage per replica per level
+
+
+class SimulationError(RuntimeError):
+    """The engine stopped making progress (a bug, or a request that can never be scheduled)."""
+
+
+class _Track:
+    """What the simulator learns about one request as its tokens appear."""
+
+    __slots__ = ("spec", "first_s", "last_s", "num_out", "itl", "cached", "replica")
+
+    def __init__(self, spec: SimRequest, replica: int, record_itl: bool) -> None:
+        self.spec = spec
+        self.first_s = math.nan
+        self.last_s = math.nan
+        self.num_out = 0
+        self.itl: list[float] | None = [] if record_itl else None
+        self.cached = 0
+        self.replica = replica
+
+
+@dataclass
+class ReplicaReport:
+    """One replica over one level: work done, peaks, and sampled gauges over time."""
+
+    index: int
+    steps: int = 0
+    busy_s: float = 0.0
+    requests: int = 0
+    prompt_tokens_computed: int = 0
+    generation_tokens: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    peak_waiting: int = 0
+    peak_running: int = 0
+    peak_kv_usage: float = 0.0
+    # (time s, waiting, running, KV usage 0-1), every duration/TIMELINE_POINTS seconds
+    timeline: list[tuple[float, int, int, float]] = field(default_factory=list)
+
+
+class Replica:
+    """One engine core on a virtual device."""
+
+    def __init__(self, index: int, deployment: Deployment, sample_every_s: float) -> None:
+        self.executor = SimExecutor(deployment.profile, deployment.cost)
+        self.engine = EngineCore(deployment.scheduler, self.executor)
+        self.scheduler = self.engine.scheduler
+        self.free_at = 0.0
+        self.report = ReplicaReport(index)
+        self._sample_every_s = sample_every_s
+        self._next_sample_s = 0.0
+
+    def has_work(self) -> bool:
+        return bool(self.scheduler.running) or bool(self.scheduler.waiting)
+
+    def load(self) -> int:
+        """Unfinished requests (running + waiting), for least-loaded routing."""
+        return len(self.scheduler.requests)
+
+    def step(self) -> tuple[float, list[Any]]:
+        """Run one engine step starting at `free_at`; return (end time, engine outputs)."""
+        outputs, stats = self.engine.step()
+        if not self.executor.last.num_requests:
+            raise SimulationError(
+                f"replica {self.report.index} scheduled nothing with "
+                f"{len(self.scheduler.waiting)} waiting and {len(self.scheduler.running)} running"
+            )
+        end = self.free_at + self.executor.last_step_s
+        self.free_at = end
+        rep = self.report
+        rep.prefix_cache_queries += stats.prefix_cache_queries
+        rep.prefix_cache_hits += stats.prefix_cache_hits
+        rep.num_preemptions += stats.num_preemptions
+        if stats.num_waiting > rep.peak_waiting:
+            rep.peak_waiting = stats.num_waiting
+        if stats.num_running > rep.peak_running:
+            rep.peak_running = stats.num_running
+        if stats.kv_cache_usage > rep.peak_kv_usage:
+            rep.peak_kv_usage = stats.kv_cache_usage
+        if end >= self._next_sample_s:
+            rep.timeline.append((end, stats.num_waiting, stats.num_running, stats.kv_cache_usage))
+            self._next_sample_s = end + self._sample_every_s
+        return end, outputs
+
+    def finish_report(self) -> ReplicaReport:
+        totals = self.executor.totals
+        self.report.steps = totals.steps
+        self.report.busy_s = totals.busy_s
+        self.report.prompt_tokens_computed = totals.prefill_tokens
+        self.report.generation_tokens = totals.decode_tokens
+        return self.report
+
+
+@dataclass
+class RequestResult:
+    """One simulated request, times in seconds from the level's start."""
+
+    index: int
+    replica: int
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    requested_output_tokens: int
+    cached_tokens: int
+    first_token_s: float
+    finish_s: float
+    itl_s: list[float] | None = None
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_token_s - self.arrival_s
+
+    @property
+    def e2e_s(self) -> float:
+        return self.finish_s - self.arrival_s
+
+
+@dataclass
+class LevelOutcome:
+    """Everything one simulated level produced."""
+
+    requests: list[RequestResult]
+    duration_s: float  # from the first arrival to the last token
+    replicas: list[ReplicaReport]
+    engines: list[EngineCore]  # kept for post-run checks (pool free, integrity)
+
+
+def simulate(deployment: Deployment, requests: list[SimRequest]) -> LevelOutcome:
+    """Run `requests` through `deployment.replicas` engine cores until every one finishes."""
+    cfg = deployment.config
+    sample_every = max(offered_duration_s(requests), 1e-3) / TIMELINE_POINTS
+    replicas = [Replica(i, deployment, sample_every) for i in range(deployment.replicas)]
+    tracks: dict[str, _Track] = {}
+    record_itl = cfg.record_itl
+    route = _router(cfg.policy, replicas)
+    arrivals = sorted(requests, key=lambda r: r.arrival_s)
+    n, i = len(arrivals), 0
+    busy: list[Replica] = []  # replicas with unfinished requests
+    while True:
+        nxt = arrivals[i].arrival_s if i < n else math.inf
+        rep = min(busy, key=_free_at) if len(busy) > 1 else (busy[0] if busy else None)
+        if rep is None or rep.free_at >= nxt and i < n:
+            if i >= n:
+                break
+            spec = arrivals[i]
+            i += 1
+            target = route()
+            if not target.has_work():
+                target.free_at = max(target.free_at, spec.arrival_s)
+                busy.append(target)
+            rid = str(spec.index)
+            tracks[rid] = _Track(spec, target.report.index, record_itl)
+            target.report.requests += 1
+            params = SamplingParams(max_tokens=spec.output_len, ignore_eos=True)
+            target.engine.add_request(
+                Request(rid, spec.prompt_token_ids, params, arrival_time=spec.arrival_s)
+            )
+            continue
+        end, outputs = rep.step()
+        for out in outputs:
+            track = tracks[out.request_id]
+            if track.num_out == 0:
+                track.first_s = end
+                track.cached = out.num_cached_tokens
+            elif track.itl is not None:
+                track.itl.append(end - track.last_s)
+            track.last_s = end
+            track.num_out += len(out.new_token_ids)
+        if not rep.has_work():
+            busy.remove(rep)
+    results = [_result(t) for t in tracks.values()]
+    results.sort(key=lambda r: r.index)
+    duration = max((r.finish_s for r in results), default=0.0)
+    reports = [r.finish_report() for r in replicas]
+    return LevelOutcome(results, duration, reports, [r.engine for r in replicas])
+
+
+def _free_at(replica: Replica) -> float:
+    return replica.free_at
+
+
+def _result(t: _Track) -> RequestResult:
+    spec = t.spec
+    return RequestResult(
+        index=spec.index,
+        replica=t.replica,
+        arrival_s=spec.arrival_s,
+        prompt_tokens=len(spec.prompt_token_ids),
+        output_tokens=t.num_out,
+        requested_output_tokens=spec.output_len,
+        cached_tokens=t.cached,
+        first_token_s=t.first_s,
+        finish_s=t.last_s,
+        itl_s=t.itl,
+    )
+
+
+def _router(policy: str, replicas: list[Replica]) -> Any:
+    """A zero-argument callable picking the replica for the next arrival."""
+    if policy == "round-robin":
+        counter = iter(range(1 << 62))
+        return lambda: replicas[next(counter) % len(replicas)]
+    if policy == "least-loaded":  # fewest unfinished requests; ties go to the lowest index
+        return lambda: min(replicas, key=Replica.load)
+    raise ValueError(f"unknown routing policy {policy!r}")

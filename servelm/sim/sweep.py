@@ -1,0 +1,203 @@
+"""Sweeps, capacity at an SLO and replica counts, reported in the `servelm bench` JSON schema.
+
+A simulated level becomes a `bench.results.RunResult` (one RequestRecord per request, the same
+`bench.stats.summarize` summary, a "server" block with the keys `bench.server_metrics` reports
+plus the replicas' timelines), so `--out` files of `servelm simulate` and `servelm bench` load,
+print and plot with the same code and overlay on one chart.
+
+Capacity uses the bench definition: the highest rate at which at least `capacity_threshold` of
+the requests meet the SLO, walking up the rates and stopping at the first miss. The simulator's
+default SLO (TTFT <= 1 s, no TPOT limit) with threshold 0.99 reads as "TTFT p99 under 1 s".
+`search_capacity` bisects on the rate with one arrival stream scaled to each rate (gamma gaps
+scale as 1/rate), so the pass/miss answer is monotone in the rate for a fixed seed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from servelm.bench.results import BenchResult, Load, RequestRecord, RunResult
+from servelm.bench.stats import capacity_at_slo, meets_slo, summarize
+from servelm.sim.config import Deployment, SimConfig, resolve
+from servelm.sim.simulator import LevelOutcome, simulate
+from servelm.sim.workload import build_requests
+
+
+def run_level(
+    deployment: Deployment, load: Load, level: int = 0, stream: str | None = None
+) -> tuple[RunResult, LevelOutcome]:
+    """Simulate one load level; return it in the bench schema and the raw outcome."""
+    cfg = deployment.config
+    requests = build_requests(
+        cfg.workload,
+        load,
+        cfg.num_requests,
+        cfg.seed,
+        level,
+        deployment.shape.vocab_size,
+        stream,
+    )
+    outcome = simulate(deployment, requests)
+    records = [to_record(r) for r in outcome.requests]
+    summary = summarize(records, outcome.duration_s, cfg.slo)
+    return RunResult(load, summary, server_block(outcome), records), outcome
+
+
+def to_record(r: Any) -> RequestRecord:
+    return RequestRecord(
+        index=r.index,
+        start_s=r.arrival_s,
+        prompt_tokens=r.prompt_tokens,
+        requested_output_tokens=r.requested_output_tokens,
+        ttft_s=r.ttft_s,
+        e2e_s=r.e2e_s,
+        itl_s=r.itl_s or [],
+        output_tokens=r.output_tokens,
+        server_prompt_tokens=r.prompt_tokens,
+    )
+
+
+def server_block(outcome: LevelOutcome) -> dict[str, Any]:
+    """The `bench.server_metrics.server_report` keys, from the engines' own stats."""
+    reps = outcome.replicas
+    queries = sum(r.prefix_cache_queries for r in reps)
+    hits = sum(r.prefix_cache_hits for r in reps)
+    ttfts = sorted(r.ttft_s for r in outcome.requests)
+    return {
+        "metrics_prefix": "sim",
+        "prompt_tokens": sum(r.prompt_tokens_computed for r in reps),
+        "generation_tokens": sum(r.generation_tokens for r in reps),
+        "prefix_cache_queries": queries,
+        "prefix_cache_hits": hits,
+        "num_preemptions": sum(r.num_preemptions for r in reps),
+        "prefix_cache_hit_rate": hits / queries if queries else None,
+        "ttft_p50_ms": ttfts[len(ttfts) // 2] * 1000 if ttfts else None,
+        "peak_kv_cache_usage_perc": max(r.peak_kv_usage for r in reps),
+        "peak_num_requests_waiting": max(r.peak_waiting for r in reps),
+        "peak_num_requests_running": max(r.peak_running for r in reps),
+        "busy_fraction": [
+            r.busy_s / outcome.duration_s if outcome.duration_s else 0.0 for r in reps
+        ],
+        "replicas": [
+            {
+                "index": r.index,
+                "requests": r.requests,
+                "steps": r.steps,
+                "busy_s": r.busy_s,
+                "timeline": [list(point) for point in r.timeline],
+            }
+            for r in reps
+        ],
+    }
+
+
+def run_sweep(config: SimConfig, loads: Sequence[Load]) -> BenchResult:
+    """Simulate each load level in turn (level i draws stream i, as `servelm bench` does)."""
+    deployment = resolve(config)
+    runs = [run_level(deployment, load, level)[0] for level, load in enumerate(loads)]
+    return BenchResult(sim_config_dict(deployment), runs, capacity(runs, config))
+
+
+def sim_config_dict(deployment: Deployment) -> dict[str, Any]:
+    data = deployment.config.to_dict()
+    data["num_blocks"] = deployment.scheduler.num_blocks
+    data["max_model_len"] = deployment.scheduler.max_model_len
+    data["loads"] = []
+    return data
+
+
+def capacity(runs: Sequence[RunResult], config: SimConfig) -> dict[str, Any] | None:
+    """The bench capacity block for a simulated sweep (None if the lowest rate misses)."""
+    levels = [(run.load.value, run.summary["slo_attainment"]) for run in runs]
+    best = capacity_at_slo(levels, config.capacity_threshold)
+    if best is None:
+        return None
+    run = runs[best]
+    return {
+        "load": run.load.to_dict(),
+        "goodput": run.summary["goodput"],
+        "slo_attainment": run.summary["slo_attainment"],
+        "threshold": config.capacity_threshold,
+    }
+
+
+@dataclass(frozen=True)
+class CapacityResult:
+    """The highest rate found to meet the SLO, and the probes that found it."""
+
+    rate: float  # 0.0 when even the lowest probe misses
+    probes: list[tuple[float, float]]  # (rate, SLO attainment), in probe order
+
+
+def meets_at(deployment: Deployment, rate: float, burstiness: float = 1.0) -> float:
+    """SLO attainment at `rate` on the fixed 'search' stream (same gaps, scaled)."""
+    run, _ = run_level(deployment, Load(rate=rate, burstiness=burstiness), stream="search")
+    cfg = deployment.config
+    return sum(1 for r in run.requests if meets_slo(r, cfg.slo)) / len(run.requests)
+
+
+def search_capacity(
+    config: SimConfig,
+    start: float = 1.0,
+    rel_tol: float = 0.03,
+    burstiness: float = 1.0,
+    max_rate: float = 1e5,
+) -> CapacityResult:
+    """Grow the rate x2 from `start` until the SLO misses, then bisect to `rel_tol`."""
+    deployment = resolve(config)
+    threshold = config.capacity_threshold
+    probes: list[tuple[float, float]] = []
+
+    def ok(rate: float) -> bool:
+        attained = meets_at(deployment, rate, burstiness)
+        probes.append((rate, attained))
+        return attained >= threshold
+
+    lo, hi = 0.0, start
+    while ok(hi):
+        lo, hi = hi, hi * 2
+        if hi > max_rate:
+            return CapacityResult(lo, probes)
+    if lo == 0.0:  # the first probe missed: walk down
+        while hi > start / 64:
+            hi /= 2
+            if ok(hi):
+                lo = hi
+                hi *= 2
+                break
+        if lo == 0.0:
+            return CapacityResult(0.0, probes)
+    while hi - lo > rel_tol * lo:
+        mid = (lo + hi) / 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return CapacityResult(lo, probes)
+
+
+def replicas_for_rate(
+    config: SimConfig, target_rate: float, per_replica: float | None = None, max_replicas: int = 64
+) -> tuple[int, float]:
+    """Fewest replicas that meet the SLO at `target_rate`; returns (replicas, attainment).
+
+    Starts from ceil(target / single-replica capacity) and adds replicas until a simulation
+    at the target rate (num_requests x replicas requests, so each replica sees a full level)
+    meets the SLO.
+    """
+    if target_rate <= 0:
+        raise ValueError("target rate must be > 0")
+    if per_replica is None:
+        per_replica = search_capacity(config.with_(replicas=1)).rate
+    n = max(1, math.ceil(target_rate / per_replica)) if per_replica > 0 else 1
+    attained = 0.0
+    while n <= max_replicas:
+        cfg = config.with_(replicas=n, num_requests=config.num_requests * n)
+        attained = meets_at(resolve(cfg), target_rate)
+        if attained >= config.capacity_threshold:
+            return n, attained
+        n += 1
+    raise ValueError(f"{max_replicas} replicas do not meet the SLO at {target_rate:g} req/s")

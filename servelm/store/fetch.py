@@ -1,0 +1,86 @@
+"""Turn a model spec (nothing, a folder, a .gguf file, or a hub id) into a local model folder.
+
+    None                  -> the built-in default model (see default.py)
+    path/to/folder        -> itself, if it holds config.json
+    path/to/model.gguf    -> imported into <store>/<file stem>
+    org/name              -> Hugging Face hub snapshot in <store>/org--name (optionally pinned)
+
+A spec that looks like a path but names nothing on disk is an error, never a hub lookup, so
+a typo in a local path does not turn into a confusing network failure.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from servelm.store.default import ensure_default_model
+from servelm.store.gguf_import import import_gguf
+from servelm.store.paths import default_store_dir
+
+# Hub ids are "name" or "owner/name" made of letters, digits, "-", "_" and ".".
+_HUB_ID_RE = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*"]
+
+
+def _looks_like_hub_id(spec: str) -> bool:
+    return bool(_HUB_ID_RE.fullmatch(spec)) and ".." not in spec and not spec.endswith(".gguf")
+
+
+def _snapshot(repo_id: str, store: Path, revision: str | None) -> Path:
+    try:
+        import huggingface_hub
+        from huggingface_hub.utils import RepositoryNotFoundError, RevisionNotFoundError
+    except ImportError as exc:
+        raise ImportError(
+            f"downloading {repo_id!r} from the Hugging Face hub needs the optional "
+            "dependency huggingface-hub: pip install 'servelm[hub]'"
+        ) from exc
+    local_dir = store / repo_id.replace("/", "--")
+    try:
+        path = huggingface_hub.snapshot_download(
+            repo_id, revision=revision, local_dir=local_dir, allow_patterns=HUB_PATTERNS
+        )
+    except (RepositoryNotFoundError, RevisionNotFoundError) as exc:
+        where = f" at revision {revision!r}" if revision else ""
+        # Gated/private repos raise a subclass of RepositoryNotFoundError: name the class.
+        raise ValueError(
+            f"{repo_id!r}{where} is neither a local path nor a model on the Hugging Face hub "
+            f"({type(exc).__name__})"
+        ) from exc
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"hub repo {repo_id!r} has no config.json; it is not a transformers model")
+    return folder
+
+
+def resolve_model(
+    spec: str | None, store_dir: str | Path | None = None, revision: str | None = None
+) -> Path:
+    """Return a local folder holding config.json, weights and tokenizer for `spec`.
+
+    `revision` (branch, tag or commit) applies to hub ids only. Raises FileNotFoundError for a
+    path that does not exist, ValueError for something that is not a model, ImportError when a
+    hub id is given without huggingface-hub installed.
+    """
+    store = Path(store_dir).expanduser() if store_dir is not None else default_store_dir()
+    store = store.absolute()
+    if spec is None:
+        if revision is not None:
+            raise ValueError("--revision applies to hub ids, not to the default model")
+        return ensure_default_model(store)
+
+    path = Path(spec).expanduser()
+    if path.exists() and revision is not None:
+        raise ValueError(f"--revision applies to hub ids, not to the local path {spec!r}")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{path} has no config.json, so it is not a model folder")
+        return path.absolute()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ValueError(f"{path} is a file but not a .gguf; pass a model folder or a GGUF")
+        return import_gguf(path, store / path.stem)
+    if not _looks_like_hub_id(spec):
+        raise FileNotFoundError(f"no such model file or folder: {spec}")
+    return _snapshot(spec, store, revision)
