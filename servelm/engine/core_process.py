@@ -1,0 +1,89 @@
+"""The engine-core process: owns the EngineCore and runs its step loop next to two sockets.
+
+    API process  --PUSH-->  [input socket]   engine core   [output socket]  --PUSH-->  API process
+
+It never waits on a client: between steps it drains whatever arrived (new requests, aborts)
+without blocking, and only blocks on the input socket when it has nothing to run. Aborts
+therefore take effect within one step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import zmq
+
+from servelm.config import EngineArgs
+from servelm.engine.messages import EngineCoreOutputs, EngineReady, decode, encode
+from servelm.engine.request import Request
+
+logger = logging.getLogger("servelm.engine")
+
+
+def run_engine_core(args: EngineArgs, input_addr: str, output_addr: str, log_level: int = logging.INFO) -> None:
+    """Process entry point. Builds the engine (loads the model) and serves until shutdown."""
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ctx = zmq.Context()
+    inputs = ctx.socket(zmq.PULL)
+    inputs.connect(input_addr)
+    outputs = ctx.socket(zmq.PUSH)
+    outputs.connect(output_addr)
+    try:
+        from servelm.worker.executor import create_engine_core  # torch lives past this line
+
+        t0 = time.perf_counter()
+        core, info = create_engine_core(args)
+        outputs.send(encode("ready", EngineReady(
+            str(info.model_dir), info.max_model_len, info.num_blocks, info.block_size,
+            info.device, info.dtype, time.perf_counter() - t0,
+        )))
+        _loop(core, inputs, outputs)
+    except Exception as exc:  # report, then die: the API process turns this into errors + 503
+        logger.exception("engine core failed")
+        outputs.send(encode("error", f"{type(exc).__name__}: {exc}"))
+        raise SystemExit(1) from exc
+    finally:
+        outputs.close(linger=1000)
+        inputs.close(linger=0)
+        ctx.term()
+
+
+def _loop(core, inputs: zmq.Socket, outputs: zmq.Socket) -> None:
+    poller = zmq.Poller()
+    poller.register(inputs, zmq.POLLIN)
+    while True:
+        busy = core.has_unfinished_requests()
+        # Block only when idle; otherwise just drain what is already there.
+        events = dict(poller.poll(timeout=0 if busy else 1000))
+        aborted = []
+        changed = False
+        while inputs in events or inputs.poll(0):
+            events = {}
+            kind, payload = decode(inputs.recv())
+            if kind == "add":
+                aborted += _add(core, payload)
+            elif kind == "abort":
+                aborted += core.abort_requests(payload)
+            elif kind == "shutdown":
+                return
+            changed = True
+        if core.has_unfinished_requests():
+            step_outputs, stats = core.step()
+            outputs.send(encode("step", EngineCoreOutputs(aborted + step_outputs, stats)))
+        elif changed:
+            # Idle after aborts: report it, so gauges (running, KV usage) drop at once.
+            outputs.send(encode("step", EngineCoreOutputs(aborted, core.scheduler.make_stats())))
+            core.check_integrity()
+
+
+def _add(core, req) -> list:
+    from servelm.engine.outputs import EngineCoreOutput
+
+    request = Request(req.request_id, req.prompt_token_ids, req.sampling_params,
+                      frozenset(req.eos_token_ids), req.arrival_time, req.priority)
+    try:
+        core.add_request(request)
+    except ValueError as exc:  # validated in the API process already; never crash the loop
+        return [EngineCoreOutput(req.request_id, [], finish_reason="error", error=str(exc))]
+    return []

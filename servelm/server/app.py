@@ -1,0 +1,82 @@
+"""The FastAPI application: routes only. Validation lives in protocol, the work in serving_*."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+import servelm
+from servelm.server.auth import APIKeyMiddleware
+from servelm.server.errors import APIError, error_response, install_error_handlers
+from servelm.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
+from servelm.server.serving import ServerState
+from servelm.server.serving_chat import ServingChat
+from servelm.server.serving_completion import ServingCompletion
+
+
+def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="servelm", version=servelm.__version__, docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    chat = ServingChat(state)
+    completion = ServingCompletion(state)
+    tokenizer = state.engine.tokenizer
+    app.state.servelm = state
+
+    @app.get("/health")
+    @app.get("/ping")
+    async def health() -> Response:
+        if state.engine.is_alive:
+            return Response(status_code=200)
+        return error_response(503, f"engine is not running: {state.engine.dead_reason}")
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": servelm.__version__}
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        card = ModelCard(id=state.model_name, root=str(state.engine.model_dir), max_model_len=state.max_model_len)
+        return ModelList(data=[card])
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, raw: Request):
+        return await chat.create(req, raw)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request):
+        return await completion.create(req, raw)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> JSONResponse:
+        chat.check_model(req.model)
+        if req.messages is not None:
+            msgs = [m.model_dump(exclude_none=True) for m in req.messages]
+            ids = tokenizer.encode_chat(msgs, req.add_generation_prompt)
+        elif req.prompt is not None:
+            ids = tokenizer.encode(req.prompt, req.add_special_tokens)
+        else:
+            raise APIError(400, "give either prompt or messages", "prompt")
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len})
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> JSONResponse:
+        chat.check_model(req.model)
+        if any(not 0 <= t < tokenizer.vocab_size for t in req.tokens):
+            raise APIError(400, f"token ids must be in [0, {tokenizer.vocab_size}).", "tokens")
+        return JSONResponse({"prompt": tokenizer.decode(req.tokens, skip_special_tokens=False)})
+
+    return app

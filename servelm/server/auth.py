@@ -1,0 +1,30 @@
+"""API-key check as a pure ASGI middleware: `Authorization: Bearer <key>` on every route but probes."""
+
+from __future__ import annotations
+
+import hmac
+import json
+
+from servelm.server.errors import error_body
+
+OPEN_PATHS = frozenset({"/health", "/metrics", "/ping"})
+
+
+class APIKeyMiddleware:
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self._key = api_key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
+            return await self.app(scope, receive, send)
+        auth = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = auth.partition(b" ")
+        # Constant-time comparison: timing does not reveal how much of a guess was right.
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key):
+            return await self.app(scope, receive, send)
+        body = json.dumps(error_body(401, "Invalid or missing API key.", None, "invalid_api_key")).encode()
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"www-authenticate", b"Bearer")]})
+        await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,150 @@
+"""What chat and completions share: validation, sampling parameters, admission, fan-out of `n`.
+
+`OpenAIServing.run_choices` starts one engine request per prompt and choice and yields
+`(choice_index, TextDelta)` as they arrive, with metrics taken on the way. Formatting the
+chunks is left to `serving_chat` / `serving_completion`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from servelm.engine.client import AsyncEngineClient
+from servelm.engine.output_processor import TextDelta
+from servelm.engine.requests import default_sampling_params
+from servelm.engine.sampling_params import MAX_LOGPROBS, InvalidParamError, SamplingParams
+from servelm.server.errors import APIError
+from servelm.server.metrics import RequestTimer, ServerMetrics
+from servelm.server.protocol import SamplingFields
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngineClient
+    metrics: ServerMetrics
+    model_name: str
+    max_model_len: int  # what one sequence may use: min(context, KV capacity)
+    max_queued_requests: int
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+class OpenAIServing:
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self.engine = state.engine
+        self.tokenizer = state.engine.tokenizer
+        self._awaiting_first_token = 0
+
+    def check_model(self, name: str | None) -> None:
+        if name and name != self.state.model_name:
+            raise APIError(404, f"The model `{name}` does not exist.", "model", "model_not_found")
+
+    def check_admission(self) -> None:
+        if not self.engine.is_alive:
+            raise APIError(503, f"The engine is not running: {self.engine.dead_reason}.",
+                           headers={"Retry-After": "5"})
+        if self._awaiting_first_token >= self.state.max_queued_requests:
+            raise APIError(503, "The server is at capacity (waiting queue full); retry later.",
+                           code="queue_full", headers={"Retry-After": "1"})
+
+    def check_prompt_length(self, prompt_ids: list[int]) -> None:
+        limit = self.state.max_model_len
+        if len(prompt_ids) >= limit:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, your request has "
+                f"{len(prompt_ids)} input tokens; reduce the length of the prompt.",
+                "prompt", "context_length_exceeded",
+            )
+
+    def sampling_params(self, req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        try:
+            return default_sampling_params(
+                self.tokenizer,
+                n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+                seed=req.seed, presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+                stop=stop, stop_token_ids=req.stop_token_ids, max_tokens=max_tokens,
+                min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, logprobs=logprobs,
+                skip_special_tokens=req.skip_special_tokens,
+                include_stop_str_in_output=req.include_stop_str_in_output,
+            )
+        except InvalidParamError as exc:
+            raise APIError(400, exc.message, exc.param) from None
+
+    @staticmethod
+    def check_logprobs(k: int | None, param: str) -> None:
+        if k is not None and not 0 <= k <= MAX_LOGPROBS:
+            raise APIError(400, f"{param} must be between 0 and {MAX_LOGPROBS}, got {k}.", param)
+
+    async def run_choices(
+        self, request_id: str, prompts: list[list[int]], params: SamplingParams, priority: int
+    ) -> AsyncIterator[tuple[int, TextDelta]]:
+        """Every choice of every prompt, merged as deltas arrive; choice i of prompt p is p*n+i."""
+        arrival = time.time()
+        n = params.n
+        single = SamplingParams(**{**params.__dict__, "n": 1})
+        queue: asyncio.Queue[tuple[int, TextDelta] | Exception | None] = asyncio.Queue()
+
+        async def one(index: int, prompt: list[int], p: SamplingParams) -> None:
+            timer = RequestTimer(self.state.metrics, arrival)
+            self._awaiting_first_token += 1
+            waiting = True
+            try:
+                async for delta in self.engine.generate(f"{request_id}-{index}", prompt, p, priority, arrival):
+                    now = time.time()
+                    if waiting and delta.token_ids:
+                        waiting = False
+                        self._awaiting_first_token -= 1
+                    timer.on_tokens(now, len(delta.token_ids), delta.queued_time)
+                    if delta.finished:
+                        timer.on_finish(now, delta.finish_reason, delta.num_prompt_tokens)
+                    await queue.put((index, delta))
+            except Exception as exc:  # engine death or a bug: surface it to the response
+                await queue.put(exc)
+            finally:
+                if waiting:
+                    self._awaiting_first_token -= 1
+                await queue.put(None)
+
+        tasks = []
+        for pi, prompt in enumerate(prompts):
+            for ci in range(n):
+                p = single if (params.seed is None or n == 1) else SamplingParams(
+                    **{**single.__dict__, "seed": params.seed + ci})
+                tasks.append(asyncio.create_task(one(pi * n + ci, prompt, p)))
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()  # a client that went away: each generator aborts its request
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def cancel_on_disconnect(raw: Request, coro):
+    """Run `coro`; if the client disconnects first, cancel it (which aborts its requests)."""
+    task = asyncio.ensure_future(coro)
+    while not task.done():
+        done, _ = await asyncio.wait({task}, timeout=0.1)
+        if not done and await raw.is_disconnected():
+            task.cancel()
+            raise APIError(499, "client disconnected")
+    return task.result()
