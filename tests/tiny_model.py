@@ -56,7 +56,7 @@ def build_tiny_model(out: Path, *, seed: int = 0, tie: bool = True, layers: int 
     vocab = build_tokenizer(out)
     config = LlamaConfig(
         vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
         rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=tie,
         bos_token_id=1, eos_token_id=2, torch_dtype="float32",
     )

@@ -137,6 +137,7 @@ class AsyncEngineClient:
             self._queues.pop(request_id, None)
             self.processor.remove(request_id)
             if not finished and self.is_alive:
+                logger.debug("request %s abandoned by its consumer: aborting", request_id)
                 await self.abort([request_id])
 
     async def abort(self, request_ids: list[str]) -> None:

@@ -70,9 +70,14 @@ class OutputProcessor:
             delta.token_ids.append(tok)
             if tok == out.stop_token_id:
                 continue  # the eos / stop token itself is not part of the text
+            before = len(state.text)
             state.text += state.detokenizer.step(tok)
-            if params.stop and self._match_stop(state):
+            # Like EOS and stop_token_ids, stop strings count only after min_tokens tokens.
+            if (params.stop and len(state.token_ids) > params.min_tokens
+                    and self._match_stop(state, before)):
                 delta.token_ids = delta.token_ids[: i + 1]
+                if delta.logprobs:
+                    delta.logprobs = delta.logprobs[: i + 1]
                 delta.finish_reason = "stop"
                 delta.abort_engine = out.finish_reason is None
                 break
@@ -93,13 +98,17 @@ class OutputProcessor:
         return max((len(s) for s in params.stop), default=1) - 1
 
     @staticmethod
-    def _match_stop(state: RequestState) -> bool:
-        """Cut the text at the first stop string that appears in it; True if one did."""
+    def _match_stop(state: RequestState, new_from: int) -> bool:
+        """Cut the text at the first stop string that ends past `new_from`; True if one did.
+
+        Only matches that end in the new text count: an earlier one was either caught when it
+        ended or came before min_tokens. Such a match starts at or after `state.sent`, since
+        the hold-back keeps the last (longest stop - 1) characters unsent.
+        """
         params = state.params
-        window_start = max(0, state.sent - max(len(s) for s in params.stop))
         best = None
         for s in params.stop:
-            pos = state.text.find(s, window_start)
+            pos = state.text.find(s, max(0, new_from - len(s) + 1))
             if pos >= 0 and (best is None or pos < best[0]):
                 best = (pos, s)
         if best is None:

@@ -91,10 +91,12 @@ class Scheduler:
         preempted = 0
 
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
+        running = self.running
+        allocate_slots = self.kv.allocate_slots
+        while i < len(running) and budget > 0:
+            request = running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while self.kv.allocate_slots(request, num_new) is None:
+            while allocate_slots(request, num_new) is None:
                 victim = self._pick_victim()
                 if self.running.index(victim) < i:  # already scheduled this step: take it back
                     i -= 1
@@ -130,28 +132,33 @@ class Scheduler:
             scheduled.append((request, num_new))
             budget -= num_new
 
+        described = []
+        describe = self._describe
+        for request, n in scheduled:  # each request appears once: describe it, then advance it
+            described.append(describe(request, n))
+            request.num_computed_tokens += n
         out = SchedulerOutput(
-            requests=[self._describe(r, n) for r, n in scheduled],
+            requests=described,
             finished_request_ids=self._finished_ids,
             num_preempted=preempted,
         )
         self._finished_ids = set()
-        for request, n in scheduled:
-            request.num_computed_tokens += n
         return out
 
     def _describe(self, request: Request, num_new: int) -> ScheduledRequest:
+        # Runs once per request per step: positional arguments, in field order.
         start = request.num_computed_tokens
+        rid = request.request_id
         return ScheduledRequest(
-            request_id=request.request_id,
-            token_ids=request.token_ids_slice(start, start + num_new),
-            num_computed_tokens=start,
-            block_ids=self.kv.block_ids(request.request_id),
-            sampling_params=request.sampling_params,
-            sample=start + num_new == request.num_tokens,
-            prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=request.output_token_ids,
-            eos_token_ids=request.eos_token_ids,
+            rid,  # request_id
+            request.token_ids_slice(start, start + num_new),  # token_ids
+            start,  # num_computed_tokens
+            self.kv.block_ids(rid),  # block_ids
+            request.sampling_params,
+            start + num_new == request.num_tokens,  # sample
+            request.prompt_token_ids,
+            request.output_token_ids,
+            request.eos_token_ids,
         )
 
     def _pick_victim(self) -> Request:
@@ -173,24 +180,32 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         outputs = []
-        for sreq in scheduler_output.requests:
-            request = self.requests.get(sreq.request_id)
-            token = runner_output.sampled_token_ids.get(sreq.request_id)
-            if request is None or token is None or request.status != RequestStatus.RUNNING:
+        requests = self.requests
+        sampled = runner_output.sampled_token_ids
+        logprobs = runner_output.logprobs
+        running = RequestStatus.RUNNING
+        for sreq in scheduler_output.requests:  # once per request per step: keep it lean
+            rid = sreq.request_id
+            request = requests.get(rid)
+            token = sampled.get(rid)
+            if request is None or token is None or request.status != running:
                 continue
             request.output_token_ids.append(token)
             status = self._check_stop(request, token)
             out = EngineCoreOutput(
-                request_id=request.request_id,
-                new_token_ids=[token],
-                num_prompt_tokens=request.num_prompt_tokens,
-                num_cached_tokens=request.num_cached_tokens,
+                rid,  # request_id
+                [token],  # new_token_ids
+                None,  # finish_reason, set below
+                None,  # stop_token_id, set below
+                len(request.prompt_token_ids),  # num_prompt_tokens
+                request.num_cached_tokens,
             )
-            if request.num_output_tokens == 1 and request.scheduled_time is not None:
+            if len(request.output_token_ids) == 1 and request.scheduled_time is not None:
                 out.queued_time = max(0.0, request.scheduled_time - request.arrival_time)
-            lp = runner_output.logprobs.get(request.request_id)
-            if lp is not None:
-                out.logprobs = [lp]
+            if logprobs:
+                lp = logprobs.get(rid)
+                if lp is not None:
+                    out.logprobs = [lp]
             if status is not None:
                 self.running.remove(request)
                 self._finish(request, status)
@@ -201,12 +216,15 @@ class Scheduler:
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
-        n_out = request.num_output_tokens
+        n_out = len(request.output_token_ids)
         if n_out >= params.min_tokens:
             if (token in request.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
                 request.stop_token_id = token
                 return RequestStatus.FINISHED_STOPPED
-        if n_out >= request.max_output_tokens or request.num_tokens >= self.config.max_model_len:
+        if (
+            n_out >= request.max_output_tokens
+            or n_out + len(request.prompt_token_ids) >= self.config.max_model_len
+        ):
             return RequestStatus.FINISHED_LENGTH
         return None
 

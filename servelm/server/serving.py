@@ -31,6 +31,7 @@ class ServerState:
     model_name: str
     max_model_len: int  # what one sequence may use: min(context, KV capacity)
     max_queued_requests: int
+    awaiting_first_token: int = 0  # admitted engine requests that have produced no token yet
 
 
 def new_id(prefix: str) -> str:
@@ -42,7 +43,6 @@ class OpenAIServing:
         self.state = state
         self.engine = state.engine
         self.tokenizer = state.engine.tokenizer
-        self._awaiting_first_token = 0
 
     def check_model(self, name: str | None) -> None:
         if name and name != self.state.model_name:
@@ -52,7 +52,7 @@ class OpenAIServing:
         if not self.engine.is_alive:
             raise APIError(503, f"The engine is not running: {self.engine.dead_reason}.",
                            headers={"Retry-After": "5"})
-        if self._awaiting_first_token >= self.state.max_queued_requests:
+        if self.state.awaiting_first_token >= self.state.max_queued_requests:
             raise APIError(503, "The server is at capacity (waiting queue full); retry later.",
                            code="queue_full", headers={"Retry-After": "1"})
 
@@ -87,25 +87,28 @@ class OpenAIServing:
         if k is not None and not 0 <= k <= MAX_LOGPROBS:
             raise APIError(400, f"{param} must be between 0 and {MAX_LOGPROBS}, got {k}.", param)
 
-    async def run_choices(
+    def run_choices(
         self, request_id: str, prompts: list[list[int]], params: SamplingParams, priority: int
     ) -> AsyncIterator[tuple[int, TextDelta]]:
-        """Every choice of every prompt, merged as deltas arrive; choice i of prompt p is p*n+i."""
+        """Start every choice of every prompt now; iterate to get `(choice index, delta)` as they come.
+
+        Choice i of prompt p has index p*n+i. The requests count as waiting (for admission
+        control) from this call until each produces its first token.
+        """
         arrival = time.time()
         n = params.n
-        single = SamplingParams(**{**params.__dict__, "n": 1})
+        state = self.state
         queue: asyncio.Queue[tuple[int, TextDelta] | Exception | None] = asyncio.Queue()
 
         async def one(index: int, prompt: list[int], p: SamplingParams) -> None:
-            timer = RequestTimer(self.state.metrics, arrival)
-            self._awaiting_first_token += 1
+            timer = RequestTimer(state.metrics, arrival)
             waiting = True
             try:
                 async for delta in self.engine.generate(f"{request_id}-{index}", prompt, p, priority, arrival):
                     now = time.time()
                     if waiting and delta.token_ids:
                         waiting = False
-                        self._awaiting_first_token -= 1
+                        state.awaiting_first_token -= 1
                     timer.on_tokens(now, len(delta.token_ids), delta.queued_time)
                     if delta.finished:
                         timer.on_finish(now, delta.finish_reason, delta.num_prompt_tokens)
@@ -114,15 +117,20 @@ class OpenAIServing:
                 await queue.put(exc)
             finally:
                 if waiting:
-                    self._awaiting_first_token -= 1
+                    state.awaiting_first_token -= 1
                 await queue.put(None)
 
         tasks = []
         for pi, prompt in enumerate(prompts):
             for ci in range(n):
-                p = single if (params.seed is None or n == 1) else SamplingParams(
-                    **{**single.__dict__, "seed": params.seed + ci})
+                seed = None if params.seed is None else params.seed + ci
+                p = SamplingParams(**{**params.__dict__, "n": 1, "seed": seed})
+                state.awaiting_first_token += 1
                 tasks.append(asyncio.create_task(one(pi * n + ci, prompt, p)))
+        return self._merge(queue, tasks)
+
+    @staticmethod
+    async def _merge(queue: asyncio.Queue, tasks: list[asyncio.Task]) -> AsyncIterator[tuple[int, TextDelta]]:
         try:
             remaining = len(tasks)
             while remaining:
@@ -135,7 +143,7 @@ class OpenAIServing:
                     yield item
         finally:
             for task in tasks:
-                task.cancel()  # a client that went away: each generator aborts its request
+                task.cancel()  # the consumer went away: each generator aborts its request
             await asyncio.gather(*tasks, return_exceptions=True)
 
 

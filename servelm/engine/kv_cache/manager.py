@@ -38,6 +38,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[KVBlock]] = {}
+        self._req_block_ids: dict[str, list[int]] = {}  # req_blocks as ids, kept in step
         self._num_cached_blocks: dict[str, int] = {}
         self.prefix_stats = PrefixCacheStats()
 
@@ -49,7 +50,8 @@ class KVCacheManager:
         return self.pool.usage()
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+        ids = self._req_block_ids.get(request_id)
+        return [] if ids is None else ids.copy()  # a copy: O(blocks) in C, not in Python
 
     def _update_block_hashes(self, request: Request, num_full_blocks: int) -> None:
         """Extend the request's chained block hashes to cover its first `num_full_blocks`."""
@@ -87,6 +89,16 @@ class KVCacheManager:
 
         Returns the newly allocated blocks, or None (changing nothing) if the pool is short.
         """
+        held = self.req_blocks.get(request.request_id)
+        if held is not None and not new_computed_blocks:
+            # Fast path (every decode step): no prefix hit to take and often no block to add.
+            num_total = request.num_computed_tokens + num_new_tokens
+            if -(-num_total // self.block_size) <= len(held):  # cdiv, inlined
+                if self.enable_caching and num_total // self.block_size > (
+                    self._num_cached_blocks.get(request.request_id, 0)
+                ):
+                    self._cache_full_blocks(request, num_total)
+                return []
         new_computed_blocks = new_computed_blocks or []
         held = self.req_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
@@ -98,9 +110,11 @@ class KVCacheManager:
                 del self.req_blocks[request.request_id]
             return None
         self.pool.touch(new_computed_blocks)
-        held.extend(new_computed_blocks)
         new_blocks = self.pool.get_new_blocks(needed) if needed > 0 else []
-        held.extend(new_blocks)
+        added = new_computed_blocks + new_blocks
+        held.extend(added)
+        ids = self._req_block_ids.setdefault(request.request_id, [])
+        ids.extend([b.block_id for b in added])
         if self.enable_caching:
             self._cache_full_blocks(request, num_computed + num_new_tokens)
         return new_blocks
@@ -120,13 +134,16 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Give back every block of the request, tail first (the tail is evicted first)."""
         blocks = self.req_blocks.pop(request.request_id, [])
+        self._req_block_ids.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
         self.pool.free_blocks(reversed(blocks))
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()
         refs: dict[int, int] = {}
-        for blocks in self.req_blocks.values():
+        for rid, blocks in self.req_blocks.items():
+            if self._req_block_ids.get(rid, []) != [b.block_id for b in blocks]:
+                raise AssertionError(f"block ids of {rid} disagree with its blocks")
             for b in blocks:
                 refs[b.block_id] = refs.get(b.block_id, 0) + 1
         for block in self.pool.blocks:

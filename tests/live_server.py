@@ -1,0 +1,82 @@
+"""Start a real `servelm serve` process on a free loopback port, for tests and benchmarks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    def __init__(self, model_dir: str | Path, *args: str, port: int | None = None,
+                 startup_timeout: float = 120.0, env: dict[str, str] | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"servelm-test-{self.port}.log"
+        self._log = open(self.log_path, "wb")
+        cmd = [sys.executable, "-m", "servelm.cli", "serve", str(model_dir), "--port", str(self.port), *args]
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
+        deadline = time.time() + startup_timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"server did not become healthy:\n{self.log()}")
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-5000:]
+
+    def engine_pid(self) -> int:
+        """The engine-core child process (spawned by multiprocessing)."""
+        for pid in Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split():
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if b"multiprocessing" in cmdline and b"resource_tracker" not in cmdline:
+                return int(pid)
+        raise RuntimeError("engine process not found")
+
+    def metrics(self) -> dict[str, float]:
+        """Prometheus samples as {'name{labels}': value}, plus {'name': value} summed over labels."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        out: dict[str, float] = {}
+        for family in text_string_to_metric_families(httpx.get(self.url + "/metrics").text):
+            for s in family.samples:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+                if labels:
+                    out[s.name] = out.get(s.name, 0.0) + s.value
+        return out
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode

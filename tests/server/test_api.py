@@ -1,0 +1,158 @@
+"""The OpenAI API end to end with the official client: models, chat, completions, streaming, usage."""
+
+import asyncio
+
+import openai
+import pytest
+
+from servelm import LLM, SamplingParams
+from servelm.text.tokenizer import TextTokenizer
+
+CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello world!"}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return TextTokenizer(tiny_model_dir)
+
+
+def test_models_list(client, tiny_model_dir):
+    models = client.models.list().data
+    assert [m.id for m in models] == ["tiny"]
+    card = models[0].model_dump()
+    assert card["root"] == str(tiny_model_dir) and card["owned_by"] == "servelm"
+    assert card["max_model_len"] == 512 and card["object"] == "model"
+
+
+def test_chat_non_streaming_usage_matches_tokenizer(client, tokenizer):
+    r = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=7, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    choice = r.choices[0]
+    assert choice.message.role == "assistant" and choice.finish_reason == "length"
+    assert r.usage.prompt_tokens == len(tokenizer.encode_chat(CHAT))
+    assert r.usage.completion_tokens == 7 and r.usage.total_tokens == r.usage.prompt_tokens + 7
+
+
+def test_chat_stream_chunk_order(client, tokenizer):
+    stream = client.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=9, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = [c for c in chunks[1:] if c.choices]
+    assert all(c.choices[0].finish_reason is None for c in content[:-1])
+    assert content[-1].choices[0].finish_reason == "length"
+    usage = chunks[-1]
+    assert usage.choices == [] and usage.usage.completion_tokens == 9
+    assert usage.usage.prompt_tokens == len(tokenizer.encode_chat(CHAT))
+    text = "".join(c.choices[0].delta.content or "" for c in content)
+    full = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=9, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    assert text == full.choices[0].message.content
+
+
+def test_stream_ends_with_done(server):
+    import httpx
+
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", server.base_url + "/completions", json=body, timeout=30) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert r.headers["content-type"].startswith("text/event-stream")
+    assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
+
+
+def test_completions_prompt_forms(client, tokenizer):
+    ids = tokenizer.encode("The quick brown fox")
+    by_text = client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=5, temperature=0)
+    by_ids = client.completions.create(model="tiny", prompt=ids, max_tokens=5, temperature=0)
+    assert by_text.choices[0].text == by_ids.choices[0].text
+    assert by_text.usage.prompt_tokens == len(ids)
+    many = client.completions.create(model="tiny", prompt=["a b", "c d e"], max_tokens=2, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert [c.index for c in many.choices] == [0, 1] and many.usage.completion_tokens == 4
+
+
+def test_n_choices_and_logprobs(client):
+    r = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=4, n=3, seed=7,
+                                       logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    for c in r.choices:
+        assert len(c.logprobs.content) == 4
+        assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in c.logprobs.content)
+    assert r.usage.completion_tokens == 12
+    again = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=4, n=3, seed=7,
+                                           extra_body={"ignore_eos": True})
+    assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
+
+
+def test_cached_tokens_on_repeated_long_prompt(client):
+    long_prompt = "Paged attention stores keys and values in fixed-size blocks. " * 12
+    client.completions.create(model="tiny", prompt=long_prompt, max_tokens=2)
+    r = client.completions.create(model="tiny", prompt=long_prompt, max_tokens=2)
+    assert r.usage.prompt_tokens_details.cached_tokens >= 16
+    assert r.usage.prompt_tokens_details.cached_tokens < r.usage.prompt_tokens
+
+
+def test_stop_strings_and_max_tokens_clamp(client, tokenizer):
+    base = client.completions.create(model="tiny", prompt="Hello world", max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = base[3:6]
+    r = client.completions.create(model="tiny", prompt="Hello world", max_tokens=12, temperature=0,
+                                  stop=[stop], extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == base[: base.index(stop)]
+    # prompt + max_tokens beyond the context: clamped to the room left, ends with "length"
+    prompt = [3 + i % 300 for i in range(500)]
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=100, extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 12
+
+
+def test_streamed_greedy_equals_offline(client, tiny_model_dir):
+    prompt = "A serving engine batches requests"
+    stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    streamed = "".join(c.choices[0].text for c in stream if c.choices)
+    llm = LLM(str(tiny_model_dir), kv_cache_memory="2MiB")
+    offline = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].text
+    assert streamed == offline
+
+
+def test_concurrent_streams_exact_lengths_and_metrics_agree(server):
+    before = server.metrics()
+    aclient = openai.AsyncOpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=120)
+
+    async def one(i: int) -> tuple[int, int, int]:
+        stream = await aclient.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": f"request number {i}"}],
+            max_tokens=4 + i, stream=True, stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        usage = None
+        async for chunk in stream:
+            usage = chunk.usage or usage
+        return i, usage.completion_tokens, usage.prompt_tokens
+
+    async def main():
+        return await asyncio.gather(*(one(i) for i in range(32)))
+
+    results = asyncio.run(main())
+    assert all(done == 4 + i for i, done, _ in results)
+    after = server.metrics()
+    gen = after["servelm:generation_tokens_total"] - before["servelm:generation_tokens_total"]
+    prompt = after["servelm:prompt_tokens_total"] - before["servelm:prompt_tokens_total"]
+    ok = after["servelm:request_success_total{finished_reason=length}"] - before.get(
+        "servelm:request_success_total{finished_reason=length}", 0)
+    assert gen == sum(d for _, d, _ in results)
+    assert prompt == sum(p for _, _, p in results)
+    assert ok == 32
+    assert after["servelm:time_to_first_token_seconds_count"] - before["servelm:time_to_first_token_seconds_count"] == 32
+
+
+def test_tokenize_detokenize_version(server, tokenizer):
+    import httpx
+
+    r = httpx.post(server.url + "/tokenize", json={"prompt": "Hello world"}).json()
+    assert r["tokens"] == tokenizer.encode("Hello world") and r["count"] == len(r["tokens"])
+    d = httpx.post(server.url + "/detokenize", json={"tokens": r["tokens"]}).json()
+    assert d["prompt"] == "Hello world"
+    assert httpx.get(server.url + "/version").json()["version"]

@@ -1,0 +1,39 @@
+"""If the engine process dies: in-flight streams end with an error, /health says 503, the server exits 1."""
+
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from tests.live_server import LiveServer
+
+
+@pytest.fixture
+def doomed_server(tiny_model_dir):
+    srv = LiveServer(tiny_model_dir, "--kv-cache-memory", "4MiB", "--engine-death-grace", "3")
+    yield srv
+    srv.stop()
+
+
+def test_engine_death_ends_streams_and_turns_health_503(doomed_server):
+    srv = doomed_server
+    body = {"prompt": [7] * 50, "max_tokens": 450, "ignore_eos": True, "stream": True}
+    events = []
+    with httpx.stream("POST", srv.base_url + "/completions", json=body, timeout=30) as r:
+        for line in r.iter_lines():
+            if not line:
+                continue
+            events.append(line)
+            if len(events) == 3:
+                os.kill(srv.engine_pid(), signal.SIGKILL)
+    assert events[-1] == "data: [DONE]"
+    assert '"error"' in events[-2]
+    assert httpx.get(srv.url + "/health").status_code == 503
+    r = httpx.post(srv.base_url + "/completions", json={"prompt": "hi"})
+    assert r.status_code == 503 and r.json()["error"]["message"]
+    deadline = time.time() + 20
+    while srv.proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    assert srv.proc.returncode == 1

@@ -1,0 +1,126 @@
+"""Every error is OpenAI-shaped with the right status, and the server keeps serving afterwards."""
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+
+from tests.live_server import LiveServer
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def post(server, path, body, **kw):
+    return httpx.post(server.base_url + path, json=body, timeout=30, **kw)
+
+
+def assert_error(r, status, param=None):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param
+    return err
+
+
+def still_serving(server):
+    r = post(server, "/completions", {"prompt": "Hello", "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"messages": MSG, "temperature": -1}, "temperature"),
+        ({"messages": MSG, "top_p": 0}, "top_p"),
+        ({"messages": MSG, "top_p": 1.5}, "top_p"),
+        ({"messages": MSG, "n": 1000}, "n"),
+        ({"messages": MSG, "max_tokens": 0}, "max_tokens"),
+        ({"messages": MSG, "top_logprobs": 99, "logprobs": True}, "top_logprobs"),
+        ({"messages": MSG, "presence_penalty": 5}, "presence_penalty"),
+        ({"messages": []}, "messages"),
+        ({"messages": "not a list"}, "messages"),
+    ],
+)
+def test_invalid_values_are_400_naming_the_param(server, body, param):
+    assert_error(post(server, "/chat/completions", body), 400, param)
+    still_serving(server)
+
+
+def test_malformed_json_is_400(server):
+    r = httpx.post(server.base_url + "/chat/completions", content=b'{"messages": [', timeout=30,
+                   headers={"content-type": "application/json"})
+    assert_error(r, 400)
+    still_serving(server)
+
+
+def test_unknown_model_is_404(server):
+    err = assert_error(post(server, "/chat/completions", {"model": "gpt-17", "messages": MSG}), 404, "model")
+    assert "gpt-17" in err["message"]
+    still_serving(server)
+
+
+def test_prompt_longer_than_context_is_400_with_both_numbers(server):
+    prompt = [3 + i % 300 for i in range(600)]
+    err = assert_error(post(server, "/completions", {"prompt": prompt, "max_tokens": 5}), 400, "prompt")
+    assert "512" in err["message"] and "600" in err["message"]
+    still_serving(server)
+
+
+def test_bad_token_ids_are_400(server):
+    assert_error(post(server, "/completions", {"prompt": [1, 2, 10**9]}), 400, "prompt")
+    still_serving(server)
+
+
+def test_openai_client_raises_typed_errors(client):
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model="tiny", messages=MSG, temperature=-2)
+    assert exc.value.body["param"] == "temperature"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=MSG)
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tiny_model_dir):
+    srv = LiveServer(tiny_model_dir, "--kv-cache-memory", "4MiB", "--api-key", "sekrit")
+    yield srv
+    srv.stop()
+
+
+def test_api_key_required(keyed_server):
+    url = keyed_server.base_url + "/chat/completions"
+    assert_error(httpx.post(url, json={"messages": MSG}), 401)
+    assert_error(httpx.post(url, json={"messages": MSG}, headers={"Authorization": "Bearer wrong"}), 401)
+    assert_error(httpx.get(keyed_server.base_url + "/models"), 401)
+    assert httpx.get(keyed_server.url + "/health").status_code == 200
+    assert httpx.get(keyed_server.url + "/metrics").status_code == 200
+    ok = httpx.post(url, json={"messages": MSG, "max_tokens": 2}, headers={"Authorization": "Bearer sekrit"})
+    assert ok.status_code == 200
+    c = openai.OpenAI(base_url=keyed_server.base_url, api_key="bad", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        c.models.list()
+
+
+@pytest.fixture(scope="module")
+def tight_server(tiny_model_dir):
+    srv = LiveServer(tiny_model_dir, "--kv-cache-memory", "4MiB", "--max-queued-requests", "2",
+                     "--max-num-seqs", "1")
+    yield srv
+    srv.stop()
+
+
+def test_full_queue_is_503_with_retry_after(tight_server):
+    async def burst():
+        async with httpx.AsyncClient(timeout=120) as c:
+            body = {"prompt": [5] * 300, "max_tokens": 30, "ignore_eos": True}
+            return await asyncio.gather(*(c.post(tight_server.base_url + "/completions", json=body)
+                                          for _ in range(12)))
+
+    responses = asyncio.run(burst())
+    codes = [r.status_code for r in responses]
+    assert 503 in codes and 200 in codes, codes
+    rejected = next(r for r in responses if r.status_code == 503)
+    assert_error(rejected, 503)
+    assert int(rejected.headers["retry-after"]) >= 1
+    still_serving(tight_server)
