@@ -1,0 +1,46 @@
+"""`servelm generate "prompt" ...`: offline generation in the terminal, one batch for all prompts."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from servelm.config import EngineArgs
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=None)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--sampling-seed", type=int, default=None)
+
+
+def sampling_overrides(args: argparse.Namespace) -> dict:
+    return {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
+            "top_k": args.top_k, "seed": args.sampling_seed}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompts", nargs="+", help="one or more prompts")
+    parser.add_argument("--model", default=None, help="model folder, .gguf or hub id (default model if unset)")
+    parser.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn in the chat template")
+    EngineArgs.add_cli_args(parser, model_positional=False)
+    add_sampling_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.WARNING)
+    from servelm.llm import LLM
+
+    llm = LLM(**EngineArgs.from_cli_args(args).__dict__)
+    params = llm.default_sampling_params(**sampling_overrides(args))
+    if args.chat:
+        results = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
+    else:
+        results = llm.generate(args.prompts, params)
+    for prompt, res in zip(args.prompts, results, strict=True):
+        out = res.outputs[0]
+        print(f"### {prompt}\n{out.text}\n[{len(out.token_ids)} tokens, finish: {out.finish_reason}]\n")
+    return 0
