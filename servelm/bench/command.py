@@ -67,7 +67,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="folder with tokenizer.json for exact prompt lengths "
         "(default: the servelm default model's)",
     )
-    work.add_argument("--seed", type=int, default=0)
+    work.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="same seed, same prompts; a server that already saw them will hit "
+        "its prefix cache, so change the seed (or restart) between runs",
+    )
 
     load = parser.add_argument_group("load")
     levels = load.add_mutually_exclusive_group()

@@ -39,6 +39,8 @@ class BenchConfig:
     metrics_interval_s: float = 0.5
 
     def __post_init__(self) -> None:
+        if self.endpoint not in ("chat", "completions"):
+            raise ValueError(f"endpoint must be chat or completions, got {self.endpoint!r}")
         if not self.loads:
             raise ValueError("need at least one load level")
         if self.num_requests is None and self.duration_s is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from types import TracebackType
 from typing import Any
 
+from rich import box
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -17,6 +18,15 @@ from rich.progress import (
 from rich.table import Table
 
 from servelm.bench.results import BenchResult, Load, RequestRecord
+
+SUMMARY_COLUMNS = (
+    "load", "ok", "fail", "req/s", "tok/s", "TTFT\np50", "TTFT\np99", "TPOT\np50",
+    "TPOT\np99", "ITL\np99", "E2E\np50", "good\nreq/s", "SLO\nmet",
+)  # fmt: skip
+SERVER_COLUMNS = (
+    "load", "prefix\nhit rate", "peak\nKV use", "peak\nwaiting", "peak\nrunning",
+    "preempt-\nions", "TTFT\np50 ms",
+)  # fmt: skip
 
 
 class RichProgress:
@@ -69,17 +79,29 @@ def _ms(dist: dict[str, Any], key: str) -> str:
 
 
 def _num(value: float | None, digits: int = 2) -> str:
-    return "-" if value is None else f"{value:,.{digits}f}"
+    if value is None:
+        return "-"
+    return f"{value:,.0f}" if value >= 1000 else f"{value:,.{digits}f}"
+
+
+def _table(title: str, columns: tuple[str, ...]) -> Table:
+    """A compact right-aligned table that fits 13 columns in an 80-column terminal."""
+    table = Table(
+        title=title,
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        collapse_padding=True,
+    )
+    for name in columns:
+        table.add_column(name, justify="right")
+    return table
 
 
 def summary_table(result: BenchResult) -> Table:
     """One row per load level: counts, throughput, latency percentiles (ms), goodput."""
-    slo = result.config.get("slo", {})
-    table = Table(title=f"servelm bench · {result.config.get('model')}", title_justify="left")
-    for name in ("load", "ok", "failed", "req/s", "out tok/s", "TTFT p50", "TTFT p99"):
-        table.add_column(name, justify="right")
-    for name in ("TPOT p50", "TPOT p99", "ITL p99", "E2E p50", "goodput/s", "SLO met"):
-        table.add_column(name, justify="right")
+    title = f"servelm bench · {result.config.get('model')} · latencies in ms"
+    table = _table(title, SUMMARY_COLUMNS)
     for run in result.runs:
         s = run.summary
         table.add_row(
@@ -87,7 +109,7 @@ def summary_table(result: BenchResult) -> Table:
             str(s["completed"]),
             f"[red]{s['failed']}" if s["failed"] else "0",
             _num(s["request_throughput"]),
-            _num(s["output_throughput"], 1),
+            _num(s["output_throughput"], 0),
             _ms(s["ttft_ms"], "p50"),
             _ms(s["ttft_ms"], "p99"),
             _ms(s["tpot_ms"], "p50"),
@@ -97,9 +119,8 @@ def summary_table(result: BenchResult) -> Table:
             _num(s["goodput"]),
             f"{s['slo_attainment']:.0%}",
         )
-    table.caption = (
-        f"latencies in ms · SLO: TTFT ≤ {slo.get('ttft_ms')} ms, TPOT ≤ {slo.get('tpot_ms')} ms"
-    )
+    slo = result.config.get("slo", {})
+    table.caption = f"SLO: TTFT ≤ {slo.get('ttft_ms')} ms and TPOT ≤ {slo.get('tpot_ms')} ms"
     return table
 
 
@@ -107,10 +128,7 @@ def server_table(result: BenchResult) -> Table | None:
     """Server-side metrics per level, or None if no level scraped any."""
     if not any(run.server for run in result.runs):
         return None
-    table = Table(title="server /metrics (delta over each level)", title_justify="left")
-    columns = ("load", "prefix hit", "peak KV", "peak wait", "peak run", "preempt", "TTFT p50")
-    for name in columns:
-        table.add_column(name, justify="right")
+    table = _table("server /metrics, change over each level", SERVER_COLUMNS)
     for run in result.runs:
         m = run.server or {}
         hit = m.get("prefix_cache_hit_rate")

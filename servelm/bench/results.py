@@ -1,16 +1,18 @@
 """The benchmark result schema: per-request records, per-load runs, and their JSON form.
 
 The JSON written by `servelm bench --out` (and, later, by the simulator) has this shape, so runs
-from different sources overlay in one plot:
+from different sources overlay in one plot (`config.source` may name the producer):
 
     {"schema": "servelm.bench/1",
-     "config": {...},                          # what was asked for (BenchConfig.to_dict())
-     "runs": [{"load": {"concurrency": 4}     # or {"rate": 2.0, "burstiness": 1.0,
-                                               #     "max_concurrency": null}; rate null = all at once
-               "summary": {...},               # stats.summarize(): counts, throughput, ms percentiles
-               "server": {...} | null,         # server_metrics deltas and peaks, null if not scraped
+     "config": {...},                    # BenchConfig.to_dict() plus the resolved model; no key
+     "runs": [{"load": {"concurrency": 4}  # or {"rate": 2.0, "burstiness": 1.0,
+                                           #     "max_concurrency": null}; rate null = infinite
+               "summary": {...},           # stats.summarize(): counts, errors, throughput,
+                                           # {ttft,tpot,itl,e2e}_ms percentiles, goodput
+               "server": {...} | null,     # server_metrics.server_report(), null if not scraped
                "requests": [RequestRecord.to_dict(), ...]}],
-     "capacity": {"load": 4, "goodput": 3.1, "threshold": 0.9} | null}
+     "capacity": {"load": {...}, "goodput": 3.1, "slo_attainment": 0.95, "threshold": 0.9}
+                 | null}                   # highest level meeting the SLO; null if none did
 
 Per-request times are seconds (`*_s`), summary latencies are milliseconds (`*_ms`).
 """
@@ -65,7 +67,7 @@ class Load:
     def label(self) -> str:
         if self.concurrency is not None:
             return f"c={self.concurrency}"
-        return "rate=inf" if self.value is None else f"rate={self.rate:g}/s"
+        return "inf/s" if self.value is None else f"{self.rate:g}/s"
 
     def to_dict(self) -> dict[str, Any]:
         if self.concurrency is not None:
@@ -161,11 +163,23 @@ class BenchResult:
         }
 
     def write_json(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1, allow_nan=False) + "\n")
+        """Write strict JSON: a NaN or infinity (say, from a server gauge) becomes null."""
+        data = _finite(self.to_dict())
+        Path(path).write_text(json.dumps(data, indent=1, allow_nan=False) + "\n")
 
     @property
     def failed(self) -> int:
         return sum(1 for run in self.runs for r in run.requests if not r.ok)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
 
 
 def load_results(path: str | Path) -> dict[str, Any]:

@@ -175,22 +175,24 @@ class _Source:
         self._workload, self._stream = workload, stream
         self._limit, self._duration_s = limit, duration_s
         # build prompts before the clock starts when we know how many there will be
-        self._specs = [workload.request(i, stream) for i in range(limit)] if limit else None
+        self._specs = workload.requests(range(limit), stream) if limit else None
         self._counter = itertools.count()
         self._deadline = math.inf
 
     def begin(self, now: float) -> None:
         self._deadline = now + self._duration_s if self._duration_s is not None else math.inf
 
-    def next(self) -> RequestSpec | None:
+    async def next(self) -> RequestSpec | None:
         if time.perf_counter() >= self._deadline:
             return None
         i = next(self._counter)
         if self._limit is not None and i >= self._limit:
             return None
-        return (
-            self._specs[i] if self._specs is not None else self._workload.request(i, self._stream)
-        )
+        if self._specs is not None:
+            return self._specs[i]
+        # open-ended (--duration only): build on demand, off the event loop's thread
+        spec = await asyncio.to_thread(self._workload.request, i, self._stream)
+        return spec if time.perf_counter() < self._deadline else None
 
 
 async def closed_loop(send: Send, source: _Source, concurrency: int) -> list[RequestRecord]:
@@ -198,7 +200,7 @@ async def closed_loop(send: Send, source: _Source, concurrency: int) -> list[Req
     records: list[RequestRecord] = []
 
     async def worker() -> None:
-        while (spec := source.next()) is not None:
+        while (spec := await source.next()) is not None:
             records.append(await send(spec))
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -224,7 +226,7 @@ async def open_loop(
         delay = due - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        spec = source.next()
+        spec = await source.next()
         if spec is None:
             break
         tasks.append(asyncio.create_task(capped(spec)))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ PRESETS: dict[str, tuple[int, int, int]] = {
 }
 LENGTH_DISTS = ("fixed", "uniform", "lognormal")
 _MAX_ROUNDS = 8  # re-encode rounds before accepting a prompt that is a token or two off
+_BATCH = 64  # prompts encoded together; bounds the memory held by Encoding objects
 
 
 @dataclass(frozen=True)
@@ -110,14 +112,33 @@ class PromptBuilder:
 
     def build(self, rng: random.Random, num_tokens: int) -> tuple[str, int]:
         """(text, its real token count); the count is exact unless the tokenizer resists."""
+        return self.build_many([(rng, num_tokens)])[0]
+
+    def build_many(self, jobs: Sequence[tuple[random.Random, int]]) -> list[tuple[str, int]]:
+        """build() for many (rng, num_tokens) at once, with the same results as one by one:
+        the first encode of each batch runs in parallel inside the tokenizers library."""
+        out: list[tuple[str, int]] = []
+        for start in range(0, len(jobs), _BATCH):
+            batch = jobs[start : start + _BATCH]
+            drafts = [self._draw(rng, n) for rng, n in batch]
+            texts = [" ".join(words) for words in drafts]
+            encoded = self._tokenizer.encode_batch(texts, add_special_tokens=False)
+            for (rng, n), words, text, enc in zip(batch, drafts, texts, encoded, strict=True):
+                count = len(enc.ids)
+                out.append((text, count) if count == n else self._correct(rng, n, words, count))
+        return out
+
+    def _draw(self, rng: random.Random, num_tokens: int) -> list[str]:
         if num_tokens <= 0:
-            return "", 0
-        words = [rng.choice(self.first_words), *rng.choices(self.words, k=num_tokens - 1)]
-        for round_ in range(_MAX_ROUNDS):
-            text = " ".join(words)
-            count = self.count(text)
-            if count == num_tokens or round_ == _MAX_ROUNDS - 1:
-                break
+            return []
+        return [rng.choice(self.first_words), *rng.choices(self.words, k=num_tokens - 1)]
+
+    def _correct(
+        self, rng: random.Random, num_tokens: int, words: list[str], count: int
+    ) -> tuple[str, int]:
+        """Add or drop words and re-encode until the count is right (or rounds run out)."""
+        text = " ".join(words)
+        for _ in range(_MAX_ROUNDS):
             excess = count - num_tokens
             if excess >= len(words):  # too long even at this few words: draw them again
                 words = rng.choices(self.first_words, k=len(words))
@@ -125,6 +146,10 @@ class PromptBuilder:
                 del words[len(words) - excess :]
             else:
                 words += rng.choices(self.words, k=-excess)
+            text = " ".join(words)
+            count = self.count(text)
+            if count == num_tokens:
+                break
         return text, count
 
 
@@ -167,23 +192,37 @@ class Workload:
             self.system, self._system_tokens = builder.build(rng, spec.prefix_len)
 
     def request(self, index: int, stream: str = "main") -> RequestSpec:
-        rng = random.Random(f"{self.seed}/{stream}/{index}")
+        return self.requests([index], stream)[0]
+
+    def requests(self, indices: Iterable[int], stream: str = "main") -> list[RequestSpec]:
+        """The requests at `indices` of `stream`; prompts are built in parallel batches."""
         spec = self.spec
-        output_len = sample_length(rng, spec.output_len, spec.len_dist, spec.len_spread)
-        if self._dataset is not None:
-            return self._dataset_request(
-                index, self._dataset[index % len(self._dataset)], output_len
+        drawn = []
+        for index in indices:
+            rng = random.Random(f"{self.seed}/{stream}/{index}")
+            drawn.append(
+                (index, rng, sample_length(rng, spec.output_len, spec.len_dist, spec.len_spread))
             )
-        assert self._builder is not None  # checked in __init__
-        input_len = sample_length(rng, spec.input_len, spec.len_dist, spec.len_spread)
-        prompt, count = self._builder.build(rng, input_len)
-        return RequestSpec(
-            index=index,
-            prompt=prompt,
-            system=self.system,
-            prompt_tokens=count + self._system_tokens,
-            output_tokens=output_len,
-        )
+        if self._dataset is not None:
+            items = self._dataset
+            return [self._dataset_request(i, items[i % len(items)], out) for i, _, out in drawn]
+        if self._builder is None:
+            raise ValueError("a synthetic workload needs a tokenizer (PromptBuilder)")
+        jobs = [
+            (rng, sample_length(rng, spec.input_len, spec.len_dist, spec.len_spread))
+            for _, rng, _ in drawn
+        ]
+        built = self._builder.build_many(jobs)
+        return [
+            RequestSpec(
+                index=index,
+                prompt=prompt,
+                system=self.system,
+                prompt_tokens=count + self._system_tokens,
+                output_tokens=output_len,
+            )
+            for (index, _, output_len), (prompt, count) in zip(drawn, built, strict=True)
+        ]
 
     def _dataset_request(self, index: int, item: dict[str, Any], output_len: int) -> RequestSpec:
         texts = (
