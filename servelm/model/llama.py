@@ -42,18 +42,16 @@ class LlamaAttention(nn.Module):
         shards = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}
         self.qkv_proj.shards = PackedShards(shards)
         self.o_proj = nn.Linear(q, spec.hidden_size, bias=False)
-        self.split = (q, kv, kv)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, attn: PagedAttention
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         T = x.shape[0]
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
-        out = attn(self.layer_idx, q, k, v)
+        hq, hkv = self.num_heads, self.num_kv_heads
+        # q, k and v heads are contiguous in the fused output: rotate q and k in one pass.
+        qkv = self.qkv_proj(x).view(T, hq + 2 * hkv, self.head_dim)
+        qk = rope(positions, qkv[:, : hq + hkv])
+        out = attn(self.layer_idx, qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :])
         return self.o_proj(out.reshape(T, -1))
 
 

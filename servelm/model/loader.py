@@ -119,8 +119,8 @@ def build_model(model_dir: str | Path, spec, dtype: torch.dtype, device: torch.d
         model = LlamaForCausalLM(spec, max_positions)
     model.to_empty(device=device)
     model.to(dtype)
-    # The rotary table is computed, not loaded, and stays in float32 for accuracy.
+    # The rotary table is computed (in float32), not loaded.
     with torch.device(device):
-        model.rope = RotaryEmbedding(spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling)
+        model.rope = RotaryEmbedding(spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling, dtype)
     load_weights(model, model_dir)
     return model.eval()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -30,49 +31,52 @@ class PrefillChunk:
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
-    decode_rows: torch.Tensor | None  # [Bd] rows of the decode tokens in the flattened batch
+    decode_rows: torch.Tensor | None  # [Bd] rows of the decode tokens (None: all rows are)
     decode_slots: torch.Tensor | None  # [Bd, max_ctx] cache slots to read (padded)
     decode_mask: torch.Tensor | None  # [Bd, 1, 1, max_ctx] True where a slot is real
     prefills: list[PrefillChunk]
+    all_decode: bool = False
 
 
 def build_metadata(
     seqs: list[tuple[int, int, list[int]]], block_size: int, device: torch.device
 ) -> AttentionMetadata:
-    """seqs: per request (num_computed_tokens, num_new_tokens, block_ids), in batch order."""
+    """seqs: per request (num_computed_tokens, num_new_tokens, block_ids), in batch order.
+
+    Built with numpy on the host (one small array op per request, not one torch op per token),
+    then moved to the device once.
+    """
     slot_parts, prefills = [], []
-    decode_rows, decode_tables, decode_lens = [], [], []
+    decode_rows, decode_slots, decode_lens = [], [], []
     row = 0
     for num_computed, num_new, block_ids in seqs:
         ctx = num_computed + num_new
-        table = torch.tensor(block_ids, dtype=torch.long)
-        pos = torch.arange(ctx, dtype=torch.long)
-        slots = table[pos // block_size] * block_size + pos % block_size
+        pos = np.arange(ctx)
+        slots = np.asarray(block_ids, dtype=np.int64)[pos // block_size] * block_size + pos % block_size
         slot_parts.append(slots[num_computed:])
         if num_new == 1 and num_computed > 0:
             decode_rows.append(row)
-            decode_tables.append(slots)
+            decode_slots.append(slots)
             decode_lens.append(ctx)
         else:
             causal = None
-            if num_computed:
-                q_pos = torch.arange(num_computed, ctx).unsqueeze(1)
-                causal = (pos.unsqueeze(0) <= q_pos).to(device)
-            prefills.append(PrefillChunk(row, num_new, slots.to(device), causal))
+            if num_computed:  # query i (at position num_computed + i) sees keys 0 .. num_computed + i
+                causal = torch.from_numpy(pos[None, :] <= np.arange(num_computed, ctx)[:, None]).to(device)
+            prefills.append(PrefillChunk(row, num_new, torch.from_numpy(slots).to(device), causal))
         row += num_new
 
-    meta = AttentionMetadata(torch.cat(slot_parts).to(device), None, None, None, prefills)
+    meta = AttentionMetadata(torch.from_numpy(np.concatenate(slot_parts)).to(device), None, None, None, prefills)
     if decode_rows:
-        max_ctx = max(decode_lens)
-        padded = torch.zeros(len(decode_rows), max_ctx, dtype=torch.long)
-        for i, slots in enumerate(decode_tables):
+        n, max_ctx = len(decode_rows), max(decode_lens)
+        padded = np.zeros((n, max_ctx), dtype=np.int64)
+        for i, slots in enumerate(decode_slots):
             padded[i, : len(slots)] = slots
-        lens = torch.tensor(decode_lens)
-        meta.decode_rows = torch.tensor(decode_rows, device=device)
-        meta.decode_slots = padded.to(device)
-        meta.decode_mask = (torch.arange(max_ctx).unsqueeze(0) < lens.unsqueeze(1)).view(
-            len(decode_rows), 1, 1, max_ctx
-        ).to(device)
+        mask = np.arange(max_ctx)[None, :] < np.asarray(decode_lens)[:, None]
+        # When every token is a decode, rows are 0..n-1 and no gather/scatter is needed.
+        meta.decode_rows = None if n == row else torch.tensor(decode_rows, device=device)
+        meta.all_decode = n == row
+        meta.decode_slots = torch.from_numpy(padded).to(device)
+        meta.decode_mask = torch.from_numpy(mask).view(n, 1, 1, max_ctx).to(device)
     return meta
 
 
@@ -89,21 +93,21 @@ class TorchPagedAttention:
         k_cache, v_cache = self.kv_caches[layer_idx]
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
-        out = torch.empty_like(q)
         gqa = q.shape[1] != k.shape[1]
+        if meta.all_decode:
+            return self._decode(q, k_cache, v_cache, meta, gqa)
+        out = torch.empty_like(q)
         if meta.decode_rows is not None:
-            qd = q[meta.decode_rows].unsqueeze(2)  # [Bd, Hq, 1, D]
-            kd = k_cache[meta.decode_slots].transpose(1, 2)  # [Bd, Hkv, ctx, D]
-            vd = v_cache[meta.decode_slots].transpose(1, 2)
-            od = F.scaled_dot_product_attention(
-                qd, kd, vd, attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=gqa
-            )
-            out[meta.decode_rows] = od.squeeze(2)
+            out[meta.decode_rows] = self._decode(q[meta.decode_rows], k_cache, v_cache, meta, gqa)
         for chunk in meta.prefills:
             rows = slice(chunk.start, chunk.start + chunk.num_tokens)
             qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-            kp = k_cache[chunk.context_slots].transpose(0, 1).unsqueeze(0)
-            vp = v_cache[chunk.context_slots].transpose(0, 1).unsqueeze(0)
+            if chunk.causal is None:  # nothing cached before this chunk: its own K/V is all
+                kp, vp = k[rows], v[rows]
+            else:
+                kp, vp = k_cache[chunk.context_slots], v_cache[chunk.context_slots]
+            kp = kp.transpose(0, 1).unsqueeze(0)
+            vp = vp.transpose(0, 1).unsqueeze(0)
             op = F.scaled_dot_product_attention(
                 qp,
                 kp,
@@ -115,3 +119,12 @@ class TorchPagedAttention:
             )
             out[rows] = op.squeeze(0).transpose(0, 1)
         return out
+
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, gqa: bool) -> torch.Tensor:
+        """One query token per request, all requests in one padded SDPA call."""
+        kd = k_cache[meta.decode_slots].transpose(1, 2)  # [Bd, Hkv, ctx, D]
+        vd = v_cache[meta.decode_slots].transpose(1, 2)
+        od = F.scaled_dot_product_attention(
+            q.unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=gqa
+        )
+        return od.squeeze(2)

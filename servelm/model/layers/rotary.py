@@ -1,7 +1,8 @@
 """Rotary position embedding (the half-split layout of HF Llama) with llama3 / linear scaling.
 
-cos/sin are precomputed for every position up to the context length at start-up, so a step
-only indexes the table with its token positions.
+cos/sin are computed in float32 for every position up to the context length at start-up and
+stored in the model's dtype (as the reference implementation casts them), so a step only
+indexes the table with its token positions.
 """
 
 from __future__ import annotations
@@ -37,24 +38,20 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
 
 class RotaryEmbedding(nn.Module):
     def __init__(
-        self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None
+        self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
+        self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
+        self.half = head_dim // 2
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, Hq, D], k: [T, Hkv, D]; rotates each token by its position."""
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, H, D] (queries and keys side by side); rotates each token by its position."""
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
+        x1, x2 = x[..., : self.half], x[..., self.half :]
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
