@@ -7,8 +7,18 @@ import re
 from dataclasses import dataclass, fields
 
 _SIZE = re.compile(r"^\s*([\d.]+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
-          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1e3,
+    "m": 1e6,
+    "g": 1e9,
+    "t": 1e12,
+    "ki": 2**10,
+    "mi": 2**20,
+    "gi": 2**30,
+    "ti": 2**40,
+}
 
 
 def parse_size(text: str | int | None) -> int | None:
@@ -47,26 +57,40 @@ class EngineArgs:
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, model_positional: bool = True) -> None:
         if model_positional:
-            parser.add_argument("model", nargs="?", default=None,
-                                help="model folder, .gguf file or hub id (default: SmolLM2-135M-Instruct)")
+            parser.add_argument(
+                "model",
+                nargs="?",
+                default=None,
+                help="model folder, .gguf file or hub id (default: SmolLM2-135M-Instruct)",
+            )
         g = parser.add_argument_group("engine")
         g.add_argument("--store", default=None, help="model store folder (env SERVELM_MODEL_STORE)")
         g.add_argument("--revision", default=None, help="hub revision to pin")
         g.add_argument("--served-model-name", default=None)
-        g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+        g.add_argument(
+            "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
+        )
         g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
         g.add_argument("--max-model-len", type=int, default=None)
         g.add_argument("--max-num-seqs", type=int, default=64)
         g.add_argument("--max-num-batched-tokens", type=int, default=2048)
         g.add_argument("--block-size", type=int, default=16)
-        g.add_argument("--kv-cache-memory", type=parse_size, default=None,
-                       help="KV cache budget, e.g. 2GiB (default: 1GiB on CPU; profiled on CUDA)")
+        g.add_argument(
+            "--kv-cache-memory",
+            type=parse_size,
+            default=None,
+            help="KV cache budget, e.g. 2GiB (default: 1GiB on CPU; profiled on CUDA)",
+        )
         g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
         g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
         g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
         g.add_argument("--seed", type=int, default=0)
-        g.add_argument("--num-threads", type=int, default=None,
-                       help="CPU threads for torch (default: all cores but one, leaving one for HTTP)")
+        g.add_argument(
+            "--num-threads",
+            type=int,
+            default=None,
+            help="CPU threads for torch (default: all cores but one, leaving one for HTTP)",
+        )
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

@@ -74,8 +74,11 @@ class LLM:
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             rid = f"offline-{next(self._ids)}"
             result = RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids, [])
-            for j, req in enumerate(child_requests(rid, ids, params, self.tokenizer.eos_token_ids,
-                                                   priority[i] if priority else 0)):
+            for j, req in enumerate(
+                child_requests(
+                    rid, ids, params, self.tokenizer.eos_token_ids, priority[i] if priority else 0
+                )
+            ):
                 completion = CompletionOutput(index=j)
                 result.outputs.append(completion)
                 by_child[req.request_id] = (result, completion)

@@ -12,16 +12,23 @@ import torch
 TOP = 5
 
 
-def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[set[int]]]:
+def hf_greedy(
+    model, prompt_ids: list[int], max_new_tokens: int
+) -> tuple[list[int], list[set[int]]]:
     ids = torch.tensor([prompt_ids])
     # Like ignore_eos: no stopping at eos, and (unlike min_new_tokens) no masking of it either.
     model.generation_config.eos_token_id = None
     with torch.no_grad():
         out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-            do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
         )
-    tokens = out.sequences[0, len(prompt_ids):].tolist()
+    tokens = out.sequences[0, len(prompt_ids) :].tolist()
     tops = [set(step[0].topk(TOP).indices.tolist()) for step in out.logits]
     return tokens, tops
 
@@ -44,7 +51,9 @@ def our_tops(completion) -> list[set[int]]:
     return [{t for t, _ in lp.top} for lp in completion.logprobs]
 
 
-def compare_with_hf(llm, hf_model, prompts: list[list[int]], max_tokens: int, params_cls) -> list[int]:
+def compare_with_hf(
+    llm, hf_model, prompts: list[list[int]], max_tokens: int, params_cls
+) -> list[int]:
     params = params_cls(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=TOP)
     results = llm.generate(prompts, params)
     agreed = []

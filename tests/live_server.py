@@ -20,15 +20,31 @@ def free_port() -> int:
 
 
 class LiveServer:
-    def __init__(self, model_dir: str | Path, *args: str, port: int | None = None,
-                 startup_timeout: float = 120.0, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *args: str,
+        port: int | None = None,
+        startup_timeout: float = 120.0,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"servelm-test-{self.port}.log"
         self._log = open(self.log_path, "wb")
-        cmd = [sys.executable, "-m", "servelm.cli", "serve", str(model_dir), "--port", str(self.port), *args]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})})
+        cmd = [
+            sys.executable,
+            "-m",
+            "servelm.cli",
+            "serve",
+            str(model_dir),
+            "--port",
+            str(self.port),
+            *args,
+        ]
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
         deadline = time.time() + startup_timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -64,7 +80,9 @@ class LiveServer:
         out: dict[str, float] = {}
         for family in text_string_to_metric_families(httpx.get(self.url + "/metrics").text):
             for s in family.samples:
-                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+                labels = ",".join(
+                    f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name"
+                )
                 out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
                 if labels:
                     out[s.name] = out.get(s.name, 0.0) + s.value

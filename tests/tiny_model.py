@@ -35,16 +35,27 @@ def build_tokenizer(out: Path, vocab_size: int = 384) -> int:
     tok.decoder = decoders.ByteLevel()
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=specials,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator(CORPUS, trainer)
     tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "chat_template": CHATML, "bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>", "unk_token": "<|endoftext|>", "add_bos_token": False,
-        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 512,
-    }))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "chat_template": CHATML,
+                "bos_token": "<|im_start|>",
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "unk_token": "<|endoftext|>",
+                "add_bos_token": False,
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "model_max_length": 512,
+            }
+        )
+    )
     return tok.get_vocab_size()
 
 
@@ -55,10 +66,20 @@ def build_tiny_model(out: Path, *, seed: int = 0, tie: bool = True, layers: int 
     out.mkdir(parents=True, exist_ok=True)
     vocab = build_tokenizer(out)
     config = LlamaConfig(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
-        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=tie,
-        bos_token_id=1, eos_token_id=2, torch_dtype="float32",
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=tie,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype="float32",
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)

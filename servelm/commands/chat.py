@@ -10,7 +10,9 @@ from servelm.config import EngineArgs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="model folder, .gguf or hub id (default model if unset)")
+    parser.add_argument(
+        "--model", default=None, help="model folder, .gguf or hub id (default model if unset)"
+    )
     parser.add_argument("--system", default=None, help="system prompt")
     EngineArgs.add_cli_args(parser, model_positional=False)
     add_sampling_arguments(parser)

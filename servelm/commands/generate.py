@@ -18,14 +18,23 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def sampling_overrides(args: argparse.Namespace) -> dict:
-    return {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
-            "top_k": args.top_k, "seed": args.sampling_seed}
+    return {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "seed": args.sampling_seed,
+    }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompts", nargs="+", help="one or more prompts")
-    parser.add_argument("--model", default=None, help="model folder, .gguf or hub id (default model if unset)")
-    parser.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn in the chat template")
+    parser.add_argument(
+        "--model", default=None, help="model folder, .gguf or hub id (default model if unset)"
+    )
+    parser.add_argument(
+        "--chat", action="store_true", help="wrap each prompt as a user turn in the chat template"
+    )
     EngineArgs.add_cli_args(parser, model_positional=False)
     add_sampling_arguments(parser)
 
@@ -42,5 +51,7 @@ def run(args: argparse.Namespace) -> int:
         results = llm.generate(args.prompts, params)
     for prompt, res in zip(args.prompts, results, strict=True):
         out = res.outputs[0]
-        print(f"### {prompt}\n{out.text}\n[{len(out.token_ids)} tokens, finish: {out.finish_reason}]\n")
+        print(
+            f"### {prompt}\n{out.text}\n[{len(out.token_ids)} tokens, finish: {out.finish_reason}]\n"
+        )
     return 0

@@ -21,7 +21,13 @@ import zmq.asyncio
 
 from servelm.config import EngineArgs
 from servelm.engine.core_process import run_engine_core
-from servelm.engine.messages import EngineCoreOutputs, EngineCoreRequest, EngineReady, decode, encode
+from servelm.engine.messages import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineReady,
+    decode,
+    encode,
+)
 from servelm.engine.output_processor import OutputProcessor, TextDelta
 from servelm.engine.outputs import SchedulerStats
 from servelm.engine.sampling_params import SamplingParams
@@ -67,9 +73,12 @@ class AsyncEngineClient:
         self._out.bind(out_addr)
         args = EngineArgs(**{**self.args.__dict__, "model": self.model_dir})
         mp = multiprocessing.get_context("spawn")
-        self._proc = mp.Process(target=run_engine_core, name="servelm-engine-core",
-                                args=(args, in_addr, out_addr, logging.getLogger().level or logging.INFO),
-                                daemon=True)
+        self._proc = mp.Process(
+            target=run_engine_core,
+            name="servelm-engine-core",
+            args=(args, in_addr, out_addr, logging.getLogger().level or logging.INFO),
+            daemon=True,
+        )
         self._proc.start()
         while True:
             if await self._out.poll(200):
@@ -80,8 +89,13 @@ class AsyncEngineClient:
                 if kind == "error":
                     raise EngineDeadError(f"engine failed to start: {payload}")
             elif not self._proc.is_alive():
-                raise EngineDeadError(f"engine process exited with code {self._proc.exitcode} during start-up")
-        self._tasks = [asyncio.create_task(self._output_loop()), asyncio.create_task(self._watchdog())]
+                raise EngineDeadError(
+                    f"engine process exited with code {self._proc.exitcode} during start-up"
+                )
+        self._tasks = [
+            asyncio.create_task(self._output_loop()),
+            asyncio.create_task(self._watchdog()),
+        ]
         return self.ready
 
     async def shutdown(self) -> None:
@@ -119,8 +133,14 @@ class AsyncEngineClient:
         queue: asyncio.Queue[TextDelta | Exception] = asyncio.Queue()
         self._queues[request_id] = queue
         self.processor.add_request(request_id, params)
-        req = EngineCoreRequest(request_id, prompt_token_ids, params, self.tokenizer.eos_token_ids,
-                                arrival_time or time.time(), priority)
+        req = EngineCoreRequest(
+            request_id,
+            prompt_token_ids,
+            params,
+            self.tokenizer.eos_token_ids,
+            arrival_time or time.time(),
+            priority,
+        )
         finished = False
         try:
             await self._in.send(encode("add", req))
@@ -179,5 +199,3 @@ class AsyncEngineClient:
         self.dead_reason = reason
         for queue in self._queues.values():
             queue.put_nowait(EngineDeadError(reason))
-
-

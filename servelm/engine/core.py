@@ -9,7 +9,12 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from servelm.engine.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
+from servelm.engine.outputs import (
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    SchedulerStats,
+)
 from servelm.engine.request import Request
 from servelm.engine.scheduler import Scheduler, SchedulerConfig
 

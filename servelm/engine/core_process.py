@@ -21,7 +21,9 @@ from servelm.engine.request import Request
 logger = logging.getLogger("servelm.engine")
 
 
-def run_engine_core(args: EngineArgs, input_addr: str, output_addr: str, log_level: int = logging.INFO) -> None:
+def run_engine_core(
+    args: EngineArgs, input_addr: str, output_addr: str, log_level: int = logging.INFO
+) -> None:
     """Process entry point. Builds the engine (loads the model) and serves until shutdown."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ctx = zmq.Context()
@@ -34,10 +36,20 @@ def run_engine_core(args: EngineArgs, input_addr: str, output_addr: str, log_lev
 
         t0 = time.perf_counter()
         core, info = create_engine_core(args)
-        outputs.send(encode("ready", EngineReady(
-            str(info.model_dir), info.max_model_len, info.num_blocks, info.block_size,
-            info.device, info.dtype, time.perf_counter() - t0,
-        )))
+        outputs.send(
+            encode(
+                "ready",
+                EngineReady(
+                    str(info.model_dir),
+                    info.max_model_len,
+                    info.num_blocks,
+                    info.block_size,
+                    info.device,
+                    info.dtype,
+                    time.perf_counter() - t0,
+                ),
+            )
+        )
         _loop(core, inputs, outputs)
     except Exception as exc:  # report, then die: the API process turns this into errors + 503
         logger.exception("engine core failed")
@@ -80,8 +92,14 @@ def _loop(core, inputs: zmq.Socket, outputs: zmq.Socket) -> None:
 def _add(core, req) -> list:
     from servelm.engine.outputs import EngineCoreOutput
 
-    request = Request(req.request_id, req.prompt_token_ids, req.sampling_params,
-                      frozenset(req.eos_token_ids), req.arrival_time, req.priority)
+    request = Request(
+        req.request_id,
+        req.prompt_token_ids,
+        req.sampling_params,
+        frozenset(req.eos_token_ids),
+        req.arrival_time,
+        req.priority,
+    )
     try:
         core.add_request(request)
     except ValueError as exc:  # validated in the API process already; never crash the loop

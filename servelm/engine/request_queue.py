@@ -43,7 +43,9 @@ class PriorityQueue:
         self._seq = itertools.count()
 
     def add(self, request: Request) -> None:
-        heapq.heappush(self._heap, (request.priority, request.arrival_time, next(self._seq), request))
+        heapq.heappush(
+            self._heap, (request.priority, request.arrival_time, next(self._seq), request)
+        )
 
     add_front = add  # priority and arrival time already put a preempted request where it belongs
 

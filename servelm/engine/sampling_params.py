@@ -69,12 +69,15 @@ class SamplingParams:
         if not 0 < self.top_p <= 1:
             raise InvalidParamError("top_p", f"top_p must be in (0, 1], got {self.top_p}.")
         if self.top_k < -1:
-            raise InvalidParamError("top_k", f"top_k must be -1 (off) or positive, got {self.top_k}.")
+            raise InvalidParamError(
+                "top_k", f"top_k must be -1 (off) or positive, got {self.top_k}."
+            )
         if not 0 <= self.min_p <= 1:
             raise InvalidParamError("min_p", f"min_p must be in [0, 1], got {self.min_p}.")
         if not -2 <= self.presence_penalty <= 2:
             raise InvalidParamError(
-                "presence_penalty", f"presence_penalty must be in [-2, 2], got {self.presence_penalty}."
+                "presence_penalty",
+                f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.",
             )
         if not -2 <= self.frequency_penalty <= 2:
             raise InvalidParamError(
@@ -87,9 +90,13 @@ class SamplingParams:
                 f"repetition_penalty must be positive, got {self.repetition_penalty}.",
             )
         if self.max_tokens is not None and self.max_tokens < 1:
-            raise InvalidParamError("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}.")
+            raise InvalidParamError(
+                "max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}."
+            )
         if self.min_tokens < 0:
-            raise InvalidParamError("min_tokens", f"min_tokens must be non-negative, got {self.min_tokens}.")
+            raise InvalidParamError(
+                "min_tokens", f"min_tokens must be non-negative, got {self.min_tokens}."
+            )
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidParamError(
                 "min_tokens",

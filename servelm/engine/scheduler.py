@@ -115,7 +115,12 @@ class Scheduler:
                 i += 1
 
         # Admit waiting requests only in steps without preemption: the pool is known to be tight.
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
             request = self.waiting.peek()
             hit_blocks, num_hit = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, budget)
@@ -218,7 +223,9 @@ class Scheduler:
         params = request.sampling_params
         n_out = len(request.output_token_ids)
         if n_out >= params.min_tokens:
-            if (token in request.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            if (
+                token in request.eos_token_ids and not params.ignore_eos
+            ) or token in params.stop_token_ids:
                 request.stop_token_id = token
                 return RequestStatus.FINISHED_STOPPED
         if (

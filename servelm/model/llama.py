@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from servelm.model.config import ModelSpec
-from servelm.model.loader import PackedShards
 from servelm.model.layers.norm import RMSNorm
 from servelm.model.layers.rotary import RotaryEmbedding
+from servelm.model.loader import PackedShards
 
 
 class PagedAttention(Protocol):
@@ -36,7 +36,11 @@ class LlamaAttention(nn.Module):
     def __init__(self, spec: ModelSpec, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            spec.num_heads,
+            spec.num_kv_heads,
+            spec.head_dim,
+        )
         q, kv = spec.q_size, spec.kv_size
         self.qkv_proj = nn.Linear(spec.hidden_size, q + 2 * kv, bias=spec.attention_bias)
         shards = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}
@@ -99,7 +103,10 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(spec, i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.rope = RotaryEmbedding(
-            spec.head_dim, max_positions or spec.max_position_embeddings, spec.rope_theta, spec.rope_scaling
+            spec.head_dim,
+            max_positions or spec.max_position_embeddings,
+            spec.rope_theta,
+            spec.rope_scaling,
         )
         if spec.tie_word_embeddings:
             self.lm_head = None

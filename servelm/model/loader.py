@@ -105,15 +105,18 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
 
     missing = sorted(set(expected) - loaded)
     if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        shown = ", ".join(missing[:5]) + (
+            f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        )
         raise WeightLoadError(f"checkpoint in {model_dir} lacks tensors: {shown}")
 
 
-
-def build_model(model_dir: str | Path, spec, dtype: torch.dtype, device: torch.device, max_positions: int):
+def build_model(
+    model_dir: str | Path, spec, dtype: torch.dtype, device: torch.device, max_positions: int
+):
     """Construct the model without initialising weights, then fill it from the checkpoint."""
-    from servelm.model.llama import LlamaForCausalLM
     from servelm.model.layers.rotary import RotaryEmbedding
+    from servelm.model.llama import LlamaForCausalLM
 
     with torch.device("meta"):
         model = LlamaForCausalLM(spec, max_positions)
@@ -121,6 +124,8 @@ def build_model(model_dir: str | Path, spec, dtype: torch.dtype, device: torch.d
     model.to(dtype)
     # The rotary table is computed (in float32), not loaded.
     with torch.device(device):
-        model.rope = RotaryEmbedding(spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling, dtype)
+        model.rope = RotaryEmbedding(
+            spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling, dtype
+        )
     load_weights(model, model_dir)
     return model.eval()

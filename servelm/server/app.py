@@ -49,7 +49,9 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        card = ModelCard(id=state.model_name, root=str(state.engine.model_dir), max_model_len=state.max_model_len)
+        card = ModelCard(
+            id=state.model_name, root=str(state.engine.model_dir), max_model_len=state.max_model_len
+        )
         return ModelList(data=[card])
 
     @app.post("/v1/chat/completions")
@@ -70,7 +72,9 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
             ids = tokenizer.encode(req.prompt, req.add_special_tokens)
         else:
             raise APIError(400, "give either prompt or messages", "prompt")
-        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len})
+        return JSONResponse(
+            {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
+        )
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> JSONResponse:

@@ -23,8 +23,17 @@ class APIKeyMiddleware:
         # Constant-time comparison: timing does not reveal how much of a guess was right.
         if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key):
             return await self.app(scope, receive, send)
-        body = json.dumps(error_body(401, "Invalid or missing API key.", None, "invalid_api_key")).encode()
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"www-authenticate", b"Bearer")]})
+        body = json.dumps(
+            error_body(401, "Invalid or missing API key.", None, "invalid_api_key")
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"www-authenticate", b"Bearer"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})

@@ -24,19 +24,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=os.environ.get("SERVELM_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' (env SERVELM_API_KEY)")
-    g.add_argument("--max-queued-requests", type=int, default=256,
-                   help="requests waiting for their first token before new ones get 503")
-    g.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests may take to finish on SIGTERM")
-    g.add_argument("--engine-death-grace", type=float, default=2.0,
-                   help="seconds to keep answering 503 after the engine dies, then exit 1")
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("SERVELM_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (env SERVELM_API_KEY)",
+    )
+    g.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=256,
+        help="requests waiting for their first token before new ones get 503",
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests may take to finish on SIGTERM",
+    )
+    g.add_argument(
+        "--engine-death-grace",
+        type=float,
+        default=2.0,
+        help="seconds to keep answering 503 after the engine dies, then exit 1",
+    )
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     return asyncio.run(serve(args))
 
 
@@ -61,16 +78,29 @@ async def serve(args: argparse.Namespace) -> int:
     max_len = min(ready.max_model_len, ready.num_blocks * ready.block_size)
     state = ServerState(engine, metrics, name, max_len, args.max_queued_requests)
     app = build_app(state, args.api_key)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=args.shutdown_timeout,
+        access_log=False,
+    )
     server = uvicorn.Server(config)
-    logger.info("engine ready in %.2f s; serving %s at http://%s:%d/v1", time.perf_counter() - t0,
-                name, args.host, args.port)
+    logger.info(
+        "engine ready in %.2f s; serving %s at http://%s:%d/v1",
+        time.perf_counter() - t0,
+        name,
+        args.host,
+        args.port,
+    )
 
     async def exit_when_engine_dies() -> None:
         while engine.is_alive:
             await asyncio.sleep(0.2)
-        logger.error("engine died (%s); exiting in %.1f s", engine.dead_reason, args.engine_death_grace)
+        logger.error(
+            "engine died (%s); exiting in %.1f s", engine.dead_reason, args.engine_death_grace
+        )
         await asyncio.sleep(args.engine_death_grace)
         server.should_exit = True
 

@@ -22,21 +22,42 @@ _TYPES = {
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = headers
 
 
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": code if code is not None else status}}
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": message,
+            "type": _TYPES.get(status, "invalid_request_error"),
+            "param": param,
+            "code": code if code is not None else status,
+        }
+    }
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+def error_response(
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    return JSONResponse(
+        error_body(status, message, param, code), status_code=status, headers=headers
+    )
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -51,11 +72,17 @@ def install_error_handlers(app: FastAPI) -> None:
         if first.get("type") == "json_invalid":
             return error_response(400, "Request body is not valid JSON.", None)
         param = loc[0] if loc else None
-        return error_response(400, f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}", param)
+        return error_response(
+            400, f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}", param
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        phrase = HTTPStatus(exc.status_code).phrase if exc.status_code in HTTPStatus._value2member_map_ else ""
+        phrase = (
+            HTTPStatus(exc.status_code).phrase
+            if exc.status_code in HTTPStatus._value2member_map_
+            else ""
+        )
         return error_response(exc.status_code, str(exc.detail or phrase), None)
 
     @app.exception_handler(Exception)

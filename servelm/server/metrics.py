@@ -11,10 +11,50 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from servelm.engine.outputs import SchedulerStats
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
-                0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_ITL_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.0075,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+)
 
 
 class ServerMetrics:
@@ -22,30 +62,85 @@ class ServerMetrics:
         self.registry = r = CollectorRegistry()
         labels = ["model_name"]
         p = "servelm:"
-        self.running = Gauge(p + "num_requests_running", "Requests in the running batch.", labels, registry=r)
-        self.waiting = Gauge(p + "num_requests_waiting", "Requests waiting to be scheduled.", labels, registry=r)
-        self.kv_usage = Gauge(p + "kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", labels, registry=r)
-        self.prefix_queries = Counter(p + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", labels, registry=r)
-        self.prefix_hits = Counter(p + "prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels, registry=r)
-        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of requests served.", labels, registry=r)
-        self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated.", labels, registry=r)
-        self.preemptions = Counter(p + "num_preemptions", "Requests preempted for lack of KV blocks.", labels, registry=r)
-        self.success = Counter(p + "request_success", "Finished requests by finish reason.",
-                               labels + ["finished_reason"], registry=r)
-        self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to first token.", labels,
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram(p + "inter_token_latency_seconds", "Time between tokens of a stream.", labels,
-                             buckets=_ITL_BUCKETS, registry=r)
-        self.e2e = Histogram(p + "e2e_request_latency_seconds", "Arrival to last token.", labels,
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.queue_time = Histogram(p + "request_queue_time_seconds", "Arrival to first schedule.", labels,
-                                    buckets=_LATENCY_BUCKETS, registry=r)
-        info = Gauge(p + "cache_config_info", "KV cache configuration.",
-                     ["model_name", "block_size", "num_gpu_blocks"], registry=r)
+        self.running = Gauge(
+            p + "num_requests_running", "Requests in the running batch.", labels, registry=r
+        )
+        self.waiting = Gauge(
+            p + "num_requests_waiting", "Requests waiting to be scheduled.", labels, registry=r
+        )
+        self.kv_usage = Gauge(
+            p + "kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", labels, registry=r
+        )
+        self.prefix_queries = Counter(
+            p + "prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            labels,
+            registry=r,
+        )
+        self.prefix_hits = Counter(
+            p + "prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels, registry=r
+        )
+        self.prompt_tokens = Counter(
+            p + "prompt_tokens", "Prompt tokens of requests served.", labels, registry=r
+        )
+        self.generation_tokens = Counter(
+            p + "generation_tokens", "Tokens generated.", labels, registry=r
+        )
+        self.preemptions = Counter(
+            p + "num_preemptions", "Requests preempted for lack of KV blocks.", labels, registry=r
+        )
+        self.success = Counter(
+            p + "request_success",
+            "Finished requests by finish reason.",
+            labels + ["finished_reason"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            p + "time_to_first_token_seconds",
+            "Time to first token.",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            p + "inter_token_latency_seconds",
+            "Time between tokens of a stream.",
+            labels,
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            p + "e2e_request_latency_seconds",
+            "Arrival to last token.",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            p + "request_queue_time_seconds",
+            "Arrival to first schedule.",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        info = Gauge(
+            p + "cache_config_info",
+            "KV cache configuration.",
+            ["model_name", "block_size", "num_gpu_blocks"],
+            registry=r,
+        )
         info.labels(model_name, str(block_size), str(num_blocks)).set(1)
         self.model_name = model_name
-        for m in (self.running, self.waiting, self.kv_usage, self.prefix_queries, self.prefix_hits,
-                  self.prompt_tokens, self.generation_tokens, self.preemptions):
+        for m in (
+            self.running,
+            self.waiting,
+            self.kv_usage,
+            self.prefix_queries,
+            self.prefix_hits,
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.preemptions,
+        ):
             m.labels(model_name)  # present (at zero) from the start
 
     def on_stats(self, stats: SchedulerStats) -> None:

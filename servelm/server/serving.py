@@ -50,11 +50,18 @@ class OpenAIServing:
 
     def check_admission(self) -> None:
         if not self.engine.is_alive:
-            raise APIError(503, f"The engine is not running: {self.engine.dead_reason}.",
-                           headers={"Retry-After": "5"})
+            raise APIError(
+                503,
+                f"The engine is not running: {self.engine.dead_reason}.",
+                headers={"Retry-After": "5"},
+            )
         if self.state.awaiting_first_token >= self.state.max_queued_requests:
-            raise APIError(503, "The server is at capacity (waiting queue full); retry later.",
-                           code="queue_full", headers={"Retry-After": "1"})
+            raise APIError(
+                503,
+                "The server is at capacity (waiting queue full); retry later.",
+                code="queue_full",
+                headers={"Retry-After": "1"},
+            )
 
     def check_prompt_length(self, prompt_ids: list[int]) -> None:
         limit = self.state.max_model_len
@@ -63,19 +70,32 @@ class OpenAIServing:
                 400,
                 f"This model's maximum context length is {limit} tokens. However, your request has "
                 f"{len(prompt_ids)} input tokens; reduce the length of the prompt.",
-                "prompt", "context_length_exceeded",
+                "prompt",
+                "context_length_exceeded",
             )
 
-    def sampling_params(self, req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self, req: SamplingFields, max_tokens: int | None, logprobs: int | None
+    ) -> SamplingParams:
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         try:
             return default_sampling_params(
                 self.tokenizer,
-                n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
-                seed=req.seed, presence_penalty=req.presence_penalty,
-                frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
-                stop=stop, stop_token_ids=req.stop_token_ids, max_tokens=max_tokens,
-                min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, logprobs=logprobs,
+                n=req.n,
+                temperature=req.temperature,
+                top_p=req.top_p,
+                top_k=req.top_k,
+                min_p=req.min_p,
+                seed=req.seed,
+                presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty,
+                repetition_penalty=req.repetition_penalty,
+                stop=stop,
+                stop_token_ids=req.stop_token_ids,
+                max_tokens=max_tokens,
+                min_tokens=req.min_tokens,
+                ignore_eos=req.ignore_eos,
+                logprobs=logprobs,
                 skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
             )
@@ -104,7 +124,9 @@ class OpenAIServing:
             timer = RequestTimer(state.metrics, arrival)
             waiting = True
             try:
-                async for delta in self.engine.generate(f"{request_id}-{index}", prompt, p, priority, arrival):
+                async for delta in self.engine.generate(
+                    f"{request_id}-{index}", prompt, p, priority, arrival
+                ):
                     now = time.time()
                     if waiting and delta.token_ids:
                         waiting = False
@@ -130,7 +152,9 @@ class OpenAIServing:
         return self._merge(queue, tasks)
 
     @staticmethod
-    async def _merge(queue: asyncio.Queue, tasks: list[asyncio.Task]) -> AsyncIterator[tuple[int, TextDelta]]:
+    async def _merge(
+        queue: asyncio.Queue, tasks: list[asyncio.Task]
+    ) -> AsyncIterator[tuple[int, TextDelta]]:
         try:
             remaining = len(tasks)
             while remaining:

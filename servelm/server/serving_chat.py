@@ -25,9 +25,13 @@ class ServingChat(OpenAIServing):
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         for m in messages:  # content parts [{"type": "text", "text": ...}] -> plain text
             if isinstance(m.get("content"), list):
-                m["content"] = "".join(p.get("text", "") for p in m["content"] if p.get("type") == "text")
+                m["content"] = "".join(
+                    p.get("text", "") for p in m["content"] if p.get("type") == "text"
+                )
         try:
-            prompt_ids = self.tokenizer.encode_chat(messages, req.add_generation_prompt, tools=req.tools)
+            prompt_ids = self.tokenizer.encode_chat(
+                messages, req.add_generation_prompt, tools=req.tools
+            )
         except ChatTemplateError as exc:
             raise APIError(400, str(exc), "messages") from None
         self.check_prompt_length(prompt_ids)
@@ -40,9 +44,15 @@ class ServingChat(OpenAIServing):
         choices = self.run_choices(rid, [prompt_ids], params, req.priority)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = self._stream(rid, created, model, params.n, len(prompt_ids), choices, include_usage)
+            body = self._stream(
+                rid, created, model, params.n, len(prompt_ids), choices, include_usage
+            )
             return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
-        return JSONResponse(await cancel_on_disconnect(raw, self._full(rid, created, model, params.n, len(prompt_ids), choices)))
+        return JSONResponse(
+            await cancel_on_disconnect(
+                raw, self._full(rid, created, model, params.n, len(prompt_ids), choices)
+            )
+        )
 
     def _logprobs_entry(self, lp: Logprobs) -> dict[str, Any]:
         def tok(t: int, v: float) -> dict[str, Any]:
@@ -69,26 +79,50 @@ class ServingChat(OpenAIServing):
                     raise APIError(500, delta.error)
                 reasons[i] = delta.finish_reason
         return {
-            "id": rid, "object": "chat.completion", "created": created, "model": model,
+            "id": rid,
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
             "choices": [
-                {"index": i, "message": {"role": "assistant", "content": texts[i]},
-                 "logprobs": {"content": lps[i]} if lps[i] is not None else None,
-                 "finish_reason": reasons[i]}
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": texts[i]},
+                    "logprobs": {"content": lps[i]} if lps[i] is not None else None,
+                    "finish_reason": reasons[i],
+                }
                 for i in range(n)
             ],
             "usage": usage(num_prompt, completion_tokens, cached),
         }
 
-    async def _stream(self, rid, created, model, n, num_prompt, choices, include_usage) -> AsyncIterator[str]:
+    async def _stream(
+        self, rid, created, model, n, num_prompt, choices, include_usage
+    ) -> AsyncIterator[str]:
         def chunk(choice_list: list[dict[str, Any]], **extra: Any) -> str:
-            return event({"id": rid, "object": "chat.completion.chunk", "created": created,
-                          "model": model, "choices": choice_list, **extra})
+            return event(
+                {
+                    "id": rid,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": model,
+                    "choices": choice_list,
+                    **extra,
+                }
+            )
 
         completion_tokens, cached = 0, 0
         try:
             for i in range(n):
-                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                              "logprobs": None, "finish_reason": None}])
+                yield chunk(
+                    [
+                        {
+                            "index": i,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ]
+                )
             async for i, delta in choices:
                 completion_tokens += len(delta.token_ids)
                 cached = max(cached, delta.num_cached_tokens)
@@ -97,8 +131,12 @@ class ServingChat(OpenAIServing):
                     break
                 if not delta.text and not delta.finished:
                     continue
-                c: dict[str, Any] = {"index": i, "delta": {"content": delta.text} if delta.text else {},
-                                     "logprobs": None, "finish_reason": delta.finish_reason}
+                c: dict[str, Any] = {
+                    "index": i,
+                    "delta": {"content": delta.text} if delta.text else {},
+                    "logprobs": None,
+                    "finish_reason": delta.finish_reason,
+                }
                 if delta.logprobs:
                     c["logprobs"] = {"content": [self._logprobs_entry(lp) for lp in delta.logprobs]}
                 yield chunk([c])
@@ -112,6 +150,9 @@ class ServingChat(OpenAIServing):
 
 
 def usage(num_prompt: int, completion_tokens: int, cached: int) -> dict[str, Any]:
-    return {"prompt_tokens": num_prompt, "completion_tokens": completion_tokens,
-            "total_tokens": num_prompt + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    return {
+        "prompt_tokens": num_prompt,
+        "completion_tokens": completion_tokens,
+        "total_tokens": num_prompt + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }

@@ -31,7 +31,9 @@ class ServingCompletion(OpenAIServing):
         elif prompt and all(isinstance(p, list) for p in prompt):
             prompts = [list(p) for p in prompt]
         else:
-            raise APIError(400, "prompt must be a string, a list of strings, or token ids.", "prompt")
+            raise APIError(
+                400, "prompt must be a string, a list of strings, or token ids.", "prompt"
+            )
         if len(prompts) > MAX_PROMPTS:
             raise APIError(400, f"at most {MAX_PROMPTS} prompts per request.", "prompt")
         vocab = self.tokenizer.vocab_size
@@ -58,7 +60,9 @@ class ServingCompletion(OpenAIServing):
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             body = self._stream(rid, created, total, num_prompt, choices, include_usage)
             return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
-        return JSONResponse(await cancel_on_disconnect(raw, self._full(rid, created, total, num_prompt, choices)))
+        return JSONResponse(
+            await cancel_on_disconnect(raw, self._full(rid, created, total, num_prompt, choices))
+        )
 
     def _logprobs(self, lps: list[Logprobs], offset: int) -> dict[str, Any]:
         dec = self.tokenizer.decode
@@ -67,9 +71,14 @@ class ServingCompletion(OpenAIServing):
         for t in tokens:
             offsets.append(offset)
             offset += len(t)
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-                "top_logprobs": [{dec([t], skip_special_tokens=False): v for t, v in lp.top} for lp in lps],
-                "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [
+                {dec([t], skip_special_tokens=False): v for t, v in lp.top} for lp in lps
+            ],
+            "text_offset": offsets,
+        }
 
     async def _full(self, rid, created, total, num_prompt, choices) -> dict[str, Any]:
         texts, reasons = [""] * total, [None] * total
@@ -85,13 +94,25 @@ class ServingCompletion(OpenAIServing):
                     raise APIError(500, delta.error)
                 reasons[i] = delta.finish_reason
         return {
-            "id": rid, "object": "text_completion", "created": created, "model": self.state.model_name,
-            "choices": [{"index": i, "text": texts[i], "finish_reason": reasons[i],
-                         "logprobs": self._logprobs(lps[i], 0) if lps[i] else None} for i in range(total)],
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": self.state.model_name,
+            "choices": [
+                {
+                    "index": i,
+                    "text": texts[i],
+                    "finish_reason": reasons[i],
+                    "logprobs": self._logprobs(lps[i], 0) if lps[i] else None,
+                }
+                for i in range(total)
+            ],
             "usage": usage(num_prompt, completion_tokens, cached),
         }
 
-    async def _stream(self, rid, created, total, num_prompt, choices, include_usage) -> AsyncIterator[str]:
+    async def _stream(
+        self, rid, created, total, num_prompt, choices, include_usage
+    ) -> AsyncIterator[str]:
         model = self.state.model_name
         completion_tokens, cached = 0, 0
         offsets = [0] * total
@@ -104,15 +125,35 @@ class ServingCompletion(OpenAIServing):
                     break
                 if not delta.text and not delta.finished:
                     continue
-                c = {"index": i, "text": delta.text, "finish_reason": delta.finish_reason, "logprobs": None}
+                c = {
+                    "index": i,
+                    "text": delta.text,
+                    "finish_reason": delta.finish_reason,
+                    "logprobs": None,
+                }
                 if delta.logprobs:
                     c["logprobs"] = self._logprobs(delta.logprobs, offsets[i])
                 offsets[i] += len(delta.text)
-                yield event({"id": rid, "object": "text_completion", "created": created, "model": model,
-                             "choices": [c]})
+                yield event(
+                    {
+                        "id": rid,
+                        "object": "text_completion",
+                        "created": created,
+                        "model": model,
+                        "choices": [c],
+                    }
+                )
             if include_usage:
-                yield event({"id": rid, "object": "text_completion", "created": created, "model": model,
-                             "choices": [], "usage": usage(num_prompt, completion_tokens, cached)})
+                yield event(
+                    {
+                        "id": rid,
+                        "object": "text_completion",
+                        "created": created,
+                        "model": model,
+                        "choices": [],
+                        "usage": usage(num_prompt, completion_tokens, cached),
+                    }
+                )
         except EngineDeadError as exc:
             yield error_event(503, f"The engine failed mid-stream: {exc}")
         except Exception as exc:

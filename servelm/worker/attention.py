@@ -52,7 +52,9 @@ def build_metadata(
     for num_computed, num_new, block_ids in seqs:
         ctx = num_computed + num_new
         pos = np.arange(ctx)
-        slots = np.asarray(block_ids, dtype=np.int64)[pos // block_size] * block_size + pos % block_size
+        slots = (
+            np.asarray(block_ids, dtype=np.int64)[pos // block_size] * block_size + pos % block_size
+        )
         slot_parts.append(slots[num_computed:])
         if num_new == 1 and num_computed > 0:
             decode_rows.append(row)
@@ -60,12 +62,18 @@ def build_metadata(
             decode_lens.append(ctx)
         else:
             causal = None
-            if num_computed:  # query i (at position num_computed + i) sees keys 0 .. num_computed + i
-                causal = torch.from_numpy(pos[None, :] <= np.arange(num_computed, ctx)[:, None]).to(device)
+            if (
+                num_computed
+            ):  # query i (at position num_computed + i) sees keys 0 .. num_computed + i
+                causal = torch.from_numpy(pos[None, :] <= np.arange(num_computed, ctx)[:, None]).to(
+                    device
+                )
             prefills.append(PrefillChunk(row, num_new, torch.from_numpy(slots).to(device), causal))
         row += num_new
 
-    meta = AttentionMetadata(torch.from_numpy(np.concatenate(slot_parts)).to(device), None, None, None, prefills)
+    meta = AttentionMetadata(
+        torch.from_numpy(np.concatenate(slot_parts)).to(device), None, None, None, prefills
+    )
     if decode_rows:
         n, max_ctx = len(decode_rows), max(decode_lens)
         padded = np.zeros((n, max_ctx), dtype=np.int64)
@@ -88,7 +96,9 @@ class TorchPagedAttention:
         self.scale = scale
         self.meta: AttentionMetadata | None = None
 
-    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         meta = self.meta
         k_cache, v_cache = self.kv_caches[layer_idx]
         k_cache.index_copy_(0, meta.slot_mapping, k)

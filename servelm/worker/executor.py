@@ -37,7 +37,9 @@ def resolve_model_dir(args: EngineArgs) -> Path:
     return Path(resolve_model(args.model, args.store, args.revision))
 
 
-def create_engine_core(args: EngineArgs, model_dir: Path | None = None) -> tuple[EngineCore, EngineInfo]:
+def create_engine_core(
+    args: EngineArgs, model_dir: Path | None = None
+) -> tuple[EngineCore, EngineInfo]:
     model_dir = model_dir or resolve_model_dir(args)
     spec = load_spec(model_dir)
     max_model_len = args.max_model_len or spec.max_position_embeddings
@@ -45,24 +47,43 @@ def create_engine_core(args: EngineArgs, model_dir: Path | None = None) -> tuple
         raise ValueError(
             f"--max-model-len {max_model_len} exceeds the model's context {spec.max_position_embeddings}"
         )
-    runner = ModelRunner(model_dir, spec, dtype=args.dtype, device=args.device,
-                         block_size=args.block_size, max_model_len=max_model_len, seed=args.seed,
-                         num_threads=args.num_threads)
-    logger.info("weights loaded in %.2f s: %.3f GiB (%s, %s)", runner.load_seconds,
-                runner.weight_bytes / 2**30, runner.dtype, runner.device)
+    runner = ModelRunner(
+        model_dir,
+        spec,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        max_model_len=max_model_len,
+        seed=args.seed,
+        num_threads=args.num_threads,
+    )
+    logger.info(
+        "weights loaded in %.2f s: %.3f GiB (%s, %s)",
+        runner.load_seconds,
+        runner.weight_bytes / 2**30,
+        runner.dtype,
+        runner.device,
+    )
     t0 = time.perf_counter()
-    num_blocks = runner.profile_num_blocks(args.kv_cache_memory, args.gpu_memory_utilization,
-                                           args.max_num_batched_tokens)
+    num_blocks = runner.profile_num_blocks(
+        args.kv_cache_memory, args.gpu_memory_utilization, args.max_num_batched_tokens
+    )
     if num_blocks < 1:
-        raise ValueError("no memory left for the KV cache; raise --kv-cache-memory or "
-                         "--gpu-memory-utilization")
+        raise ValueError(
+            "no memory left for the KV cache; raise --kv-cache-memory or --gpu-memory-utilization"
+        )
     runner.allocate_kv_cache(num_blocks)
     tokens = num_blocks * args.block_size
     logger.info(
         "KV cache: %d tokens in %d blocks of %d (%.3f GiB, %d B/token); max concurrency at "
-        "%d tokens: %.2fx", tokens, num_blocks, args.block_size,
-        num_blocks * runner.bytes_per_block / 2**30, runner.bytes_per_block // args.block_size,
-        max_model_len, tokens / max_model_len,
+        "%d tokens: %.2fx",
+        tokens,
+        num_blocks,
+        args.block_size,
+        num_blocks * runner.bytes_per_block / 2**30,
+        runner.bytes_per_block // args.block_size,
+        max_model_len,
+        tokens / max_model_len,
     )
     runner.warm_up(args.max_num_batched_tokens)
     logger.info("warm-up done in %.2f s", time.perf_counter() - t0)
@@ -75,6 +96,13 @@ def create_engine_core(args: EngineArgs, model_dir: Path | None = None) -> tuple
         enable_prefix_caching=args.enable_prefix_caching,
         policy=args.scheduling_policy,
     )
-    info = EngineInfo(model_dir, spec, max_model_len, num_blocks, args.block_size,
-                      str(runner.device), str(runner.dtype).replace("torch.", ""))
+    info = EngineInfo(
+        model_dir,
+        spec,
+        max_model_len,
+        num_blocks,
+        args.block_size,
+        str(runner.device),
+        str(runner.dtype).replace("torch.", ""),
+    )
     return EngineCore(config, runner), info

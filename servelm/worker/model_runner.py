@@ -84,8 +84,12 @@ class ModelRunner:
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         return self.spec.kv_bytes_per_token(itemsize) * self.block_size
 
-    def profile_num_blocks(self, kv_cache_memory: int | None, gpu_memory_utilization: float,
-                           max_num_batched_tokens: int) -> int:
+    def profile_num_blocks(
+        self,
+        kv_cache_memory: int | None,
+        gpu_memory_utilization: float,
+        max_num_batched_tokens: int,
+    ) -> int:
         """How many blocks the KV budget buys: bytes given, or (CUDA) what a profiling run leaves."""
         if kv_cache_memory is None and self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -102,8 +106,10 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         shape = (num_blocks * self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
         caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
             for _ in range(self.spec.num_layers)
         ]
         self.attn = TorchPagedAttention(caches, self.spec.head_dim**-0.5)
@@ -113,8 +119,16 @@ class ModelRunner:
         """A forward without a KV cache of its own: writes into a throwaway single block."""
         num_tokens = max(1, min(num_tokens, self.max_model_len))
         scratch = [
-            (torch.zeros(num_tokens + self.block_size, self.spec.num_kv_heads, self.spec.head_dim,
-                         dtype=self.dtype, device=self.device),) * 2
+            (
+                torch.zeros(
+                    num_tokens + self.block_size,
+                    self.spec.num_kv_heads,
+                    self.spec.head_dim,
+                    dtype=self.dtype,
+                    device=self.device,
+                ),
+            )
+            * 2
             for _ in range(self.spec.num_layers)
         ]
         attn = TorchPagedAttention(scratch, self.spec.head_dim**-0.5)
@@ -159,7 +173,9 @@ class ModelRunner:
             if not sampled:
                 return ModelRunnerOutput({})
             logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=device)])
-            batch = SamplingBatch(sampled, [self._generator(r.request_id, r.sampling_params.seed) for r in sampled])
+            batch = SamplingBatch(
+                sampled, [self._generator(r.request_id, r.sampling_params.seed) for r in sampled]
+            )
             tokens, lps = sample(logits, batch)
         out = ModelRunnerOutput({r.request_id: t for r, t in zip(sampled, tokens, strict=True)})
         for r, lp in zip(sampled, lps, strict=True):

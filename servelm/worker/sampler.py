@@ -36,7 +36,10 @@ def apply_penalties(logits: torch.Tensor, reqs: list[ScheduledRequest]) -> torch
     device = logits.device
     rep = torch.tensor([r.sampling_params.repetition_penalty for r in reqs], device=device)
     if bool((rep != 1.0).any()):
-        seen = _token_counts([r.prompt_token_ids + r.output_token_ids for r in reqs], vocab, device) > 0
+        seen = (
+            _token_counts([r.prompt_token_ids + r.output_token_ids for r in reqs], vocab, device)
+            > 0
+        )
         penalized = torch.where(logits > 0, logits / rep[:, None], logits * rep[:, None])
         logits = torch.where(seen, penalized, logits)
     pres = torch.tensor([r.sampling_params.presence_penalty for r in reqs], device=device)
@@ -64,7 +67,8 @@ def filter_logits(logits: torch.Tensor, reqs: list[ScheduledRequest]) -> torch.T
     logits = logits / temp[:, None]
     vocab = logits.shape[1]
     top_k = torch.tensor(
-        [r.sampling_params.top_k if r.sampling_params.top_k > 0 else vocab for r in reqs], device=device
+        [r.sampling_params.top_k if r.sampling_params.top_k > 0 else vocab for r in reqs],
+        device=device,
     )
     top_p = torch.tensor([r.sampling_params.top_p for r in reqs], device=device)
     min_p = torch.tensor([r.sampling_params.min_p for r in reqs], device=device)

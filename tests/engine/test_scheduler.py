@@ -13,8 +13,14 @@ def make(num_blocks=16, **kw):
 
 
 def req(rid, n_prompt, max_tokens=4, priority=0, arrival=0.0, start=0):
-    return Request(rid, list(range(start, start + n_prompt)), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                   frozenset({2}), arrival_time=arrival, priority=priority)
+    return Request(
+        rid,
+        list(range(start, start + n_prompt)),
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        frozenset({2}),
+        arrival_time=arrival,
+        priority=priority,
+    )
 
 
 def step(s, token=7):
@@ -40,11 +46,20 @@ def test_decode_and_chunked_prefill_share_a_step():
     s.add_request(req("b", 20, start=100))
     out, _ = step(s)
     # a decodes one token; b gets the other 7 tokens of the budget as its first chunk
-    assert [(r.request_id, len(r.token_ids), r.sample) for r in out.requests] == [("a", 1, True), ("b", 7, False)]
+    assert [(r.request_id, len(r.token_ids), r.sample) for r in out.requests] == [
+        ("a", 1, True),
+        ("b", 7, False),
+    ]
     out, _ = step(s)
-    assert [(r.request_id, len(r.token_ids), r.num_computed_tokens) for r in out.requests] == [("a", 1, 5), ("b", 7, 7)]
+    assert [(r.request_id, len(r.token_ids), r.num_computed_tokens) for r in out.requests] == [
+        ("a", 1, 5),
+        ("b", 7, 7),
+    ]
     out, _ = step(s)
-    assert [(r.request_id, len(r.token_ids), r.sample) for r in out.requests] == [("a", 1, True), ("b", 6, True)]
+    assert [(r.request_id, len(r.token_ids), r.sample) for r in out.requests] == [
+        ("a", 1, True),
+        ("b", 6, True),
+    ]
 
 
 def test_exact_block_ids_and_no_leak():
@@ -118,7 +133,9 @@ def test_stop_conditions():
 
 def test_length_is_capped_by_max_model_len():
     s = make()
-    r = Request("long", list(range(60)), SamplingParams(max_tokens=100, ignore_eos=True), frozenset())
+    r = Request(
+        "long", list(range(60)), SamplingParams(max_tokens=100, ignore_eos=True), frozenset()
+    )
     s.add_request(r)
     assert r.max_output_tokens == 4
     outs = run_to_end(s)

@@ -5,9 +5,17 @@ from tests.live_server import LiveServer
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    srv = LiveServer(tiny_model_dir, "--kv-cache-memory", "8MiB", "--served-model-name", "tiny",
-                     "--max-model-len", "512",
-                     "--max-num-seqs", "64")
+    srv = LiveServer(
+        tiny_model_dir,
+        "--kv-cache-memory",
+        "8MiB",
+        "--served-model-name",
+        "tiny",
+        "--max-model-len",
+        "512",
+        "--max-num-seqs",
+        "64",
+    )
     yield srv
     srv.stop()
 

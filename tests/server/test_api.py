@@ -8,7 +8,10 @@ import pytest
 from servelm import LLM, SamplingParams
 from servelm.text.tokenizer import TextTokenizer
 
-CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello world!"}]
+CHAT = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Hello world!"},
+]
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +28,9 @@ def test_models_list(client, tiny_model_dir):
 
 
 def test_chat_non_streaming_usage_matches_tokenizer(client, tokenizer):
-    r = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=7, temperature=0,
-                                       extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=7, temperature=0, extra_body={"ignore_eos": True}
+    )
     choice = r.choices[0]
     assert choice.message.role == "assistant" and choice.finish_reason == "length"
     assert r.usage.prompt_tokens == len(tokenizer.encode_chat(CHAT))
@@ -35,8 +39,13 @@ def test_chat_non_streaming_usage_matches_tokenizer(client, tokenizer):
 
 def test_chat_stream_chunk_order(client, tokenizer):
     stream = client.chat.completions.create(
-        model="tiny", messages=CHAT, max_tokens=9, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        model="tiny",
+        messages=CHAT,
+        max_tokens=9,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
     )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -47,8 +56,9 @@ def test_chat_stream_chunk_order(client, tokenizer):
     assert usage.choices == [] and usage.usage.completion_tokens == 9
     assert usage.usage.prompt_tokens == len(tokenizer.encode_chat(CHAT))
     text = "".join(c.choices[0].delta.content or "" for c in content)
-    full = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=9, temperature=0,
-                                          extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=9, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert text == full.choices[0].message.content
 
 
@@ -64,25 +74,41 @@ def test_stream_ends_with_done(server):
 
 def test_completions_prompt_forms(client, tokenizer):
     ids = tokenizer.encode("The quick brown fox")
-    by_text = client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=5, temperature=0)
+    by_text = client.completions.create(
+        model="tiny", prompt="The quick brown fox", max_tokens=5, temperature=0
+    )
     by_ids = client.completions.create(model="tiny", prompt=ids, max_tokens=5, temperature=0)
     assert by_text.choices[0].text == by_ids.choices[0].text
     assert by_text.usage.prompt_tokens == len(ids)
-    many = client.completions.create(model="tiny", prompt=["a b", "c d e"], max_tokens=2, temperature=0,
-                                     extra_body={"ignore_eos": True})
+    many = client.completions.create(
+        model="tiny",
+        prompt=["a b", "c d e"],
+        max_tokens=2,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert [c.index for c in many.choices] == [0, 1] and many.usage.completion_tokens == 4
 
 
 def test_n_choices_and_logprobs(client):
-    r = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=4, n=3, seed=7,
-                                       logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=CHAT,
+        max_tokens=4,
+        n=3,
+        seed=7,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     assert sorted(c.index for c in r.choices) == [0, 1, 2]
     for c in r.choices:
         assert len(c.logprobs.content) == 4
         assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in c.logprobs.content)
     assert r.usage.completion_tokens == 12
-    again = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=4, n=3, seed=7,
-                                           extra_body={"ignore_eos": True})
+    again = client.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=4, n=3, seed=7, extra_body={"ignore_eos": True}
+    )
     assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
 
 
@@ -95,25 +121,50 @@ def test_cached_tokens_on_repeated_long_prompt(client):
 
 
 def test_stop_strings_and_max_tokens_clamp(client, tokenizer):
-    base = client.completions.create(model="tiny", prompt="Hello world", max_tokens=12, temperature=0,
-                                     extra_body={"ignore_eos": True}).choices[0].text
+    base = (
+        client.completions.create(
+            model="tiny",
+            prompt="Hello world",
+            max_tokens=12,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        .choices[0]
+        .text
+    )
     stop = base[3:6]
-    r = client.completions.create(model="tiny", prompt="Hello world", max_tokens=12, temperature=0,
-                                  stop=[stop], extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model="tiny",
+        prompt="Hello world",
+        max_tokens=12,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+    )
     assert r.choices[0].finish_reason == "stop" and r.choices[0].text == base[: base.index(stop)]
     # prompt + max_tokens beyond the context: clamped to the room left, ends with "length"
     prompt = [3 + i % 300 for i in range(500)]
-    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=100, extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=100, extra_body={"ignore_eos": True}
+    )
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 12
 
 
 def test_streamed_greedy_equals_offline(client, tiny_model_dir):
     prompt = "A serving engine batches requests"
-    stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0,
-                                       stream=True, extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model="tiny",
+        prompt=prompt,
+        max_tokens=20,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     streamed = "".join(c.choices[0].text for c in stream if c.choices)
     llm = LLM(str(tiny_model_dir), kv_cache_memory="2MiB")
-    offline = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].text
+    offline = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[
+        0
+    ].text
     assert streamed == offline
 
 
@@ -123,8 +174,11 @@ def test_concurrent_streams_exact_lengths_and_metrics_agree(server):
 
     async def one(i: int) -> tuple[int, int, int]:
         stream = await aclient.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": f"request number {i}"}],
-            max_tokens=4 + i, stream=True, stream_options={"include_usage": True},
+            model="tiny",
+            messages=[{"role": "user", "content": f"request number {i}"}],
+            max_tokens=4 + i,
+            stream=True,
+            stream_options={"include_usage": True},
             extra_body={"ignore_eos": True},
         )
         usage = None
@@ -141,11 +195,16 @@ def test_concurrent_streams_exact_lengths_and_metrics_agree(server):
     gen = after["servelm:generation_tokens_total"] - before["servelm:generation_tokens_total"]
     prompt = after["servelm:prompt_tokens_total"] - before["servelm:prompt_tokens_total"]
     ok = after["servelm:request_success_total{finished_reason=length}"] - before.get(
-        "servelm:request_success_total{finished_reason=length}", 0)
+        "servelm:request_success_total{finished_reason=length}", 0
+    )
     assert gen == sum(d for _, d, _ in results)
     assert prompt == sum(p for _, _, p in results)
     assert ok == 32
-    assert after["servelm:time_to_first_token_seconds_count"] - before["servelm:time_to_first_token_seconds_count"] == 32
+    assert (
+        after["servelm:time_to_first_token_seconds_count"]
+        - before["servelm:time_to_first_token_seconds_count"]
+        == 32
+    )
 
 
 def test_tokenize_detokenize_version(server, tokenizer):

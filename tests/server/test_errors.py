@@ -49,21 +49,29 @@ def test_invalid_values_are_400_naming_the_param(server, body, param):
 
 
 def test_malformed_json_is_400(server):
-    r = httpx.post(server.base_url + "/chat/completions", content=b'{"messages": [', timeout=30,
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        server.base_url + "/chat/completions",
+        content=b'{"messages": [',
+        timeout=30,
+        headers={"content-type": "application/json"},
+    )
     assert_error(r, 400)
     still_serving(server)
 
 
 def test_unknown_model_is_404(server):
-    err = assert_error(post(server, "/chat/completions", {"model": "gpt-17", "messages": MSG}), 404, "model")
+    err = assert_error(
+        post(server, "/chat/completions", {"model": "gpt-17", "messages": MSG}), 404, "model"
+    )
     assert "gpt-17" in err["message"]
     still_serving(server)
 
 
 def test_prompt_longer_than_context_is_400_with_both_numbers(server):
     prompt = [3 + i % 300 for i in range(600)]
-    err = assert_error(post(server, "/completions", {"prompt": prompt, "max_tokens": 5}), 400, "prompt")
+    err = assert_error(
+        post(server, "/completions", {"prompt": prompt, "max_tokens": 5}), 400, "prompt"
+    )
     assert "512" in err["message"] and "600" in err["message"]
     still_serving(server)
 
@@ -91,11 +99,15 @@ def keyed_server(tiny_model_dir):
 def test_api_key_required(keyed_server):
     url = keyed_server.base_url + "/chat/completions"
     assert_error(httpx.post(url, json={"messages": MSG}), 401)
-    assert_error(httpx.post(url, json={"messages": MSG}, headers={"Authorization": "Bearer wrong"}), 401)
+    assert_error(
+        httpx.post(url, json={"messages": MSG}, headers={"Authorization": "Bearer wrong"}), 401
+    )
     assert_error(httpx.get(keyed_server.base_url + "/models"), 401)
     assert httpx.get(keyed_server.url + "/health").status_code == 200
     assert httpx.get(keyed_server.url + "/metrics").status_code == 200
-    ok = httpx.post(url, json={"messages": MSG, "max_tokens": 2}, headers={"Authorization": "Bearer sekrit"})
+    ok = httpx.post(
+        url, json={"messages": MSG, "max_tokens": 2}, headers={"Authorization": "Bearer sekrit"}
+    )
     assert ok.status_code == 200
     c = openai.OpenAI(base_url=keyed_server.base_url, api_key="bad", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
@@ -104,8 +116,15 @@ def test_api_key_required(keyed_server):
 
 @pytest.fixture(scope="module")
 def tight_server(tiny_model_dir):
-    srv = LiveServer(tiny_model_dir, "--kv-cache-memory", "4MiB", "--max-queued-requests", "2",
-                     "--max-num-seqs", "1")
+    srv = LiveServer(
+        tiny_model_dir,
+        "--kv-cache-memory",
+        "4MiB",
+        "--max-queued-requests",
+        "2",
+        "--max-num-seqs",
+        "1",
+    )
     yield srv
     srv.stop()
 
@@ -114,8 +133,9 @@ def test_full_queue_is_503_with_retry_after(tight_server):
     async def burst():
         async with httpx.AsyncClient(timeout=120) as c:
             body = {"prompt": [5] * 300, "max_tokens": 30, "ignore_eos": True}
-            return await asyncio.gather(*(c.post(tight_server.base_url + "/completions", json=body)
-                                          for _ in range(12)))
+            return await asyncio.gather(
+                *(c.post(tight_server.base_url + "/completions", json=body) for _ in range(12))
+            )
 
     responses = asyncio.run(burst())
     codes = [r.status_code for r in responses]

@@ -36,7 +36,9 @@ def test_shared_prefix_hits_cache_and_still_matches(tiny_model_dir, hf_model):
 
 
 def test_chunked_prefill_matches(tiny_model_dir, hf_model):
-    llm = LLM(str(tiny_model_dir), dtype="float32", kv_cache_memory="4MiB", max_num_batched_tokens=32)
+    llm = LLM(
+        str(tiny_model_dir), dtype="float32", kv_cache_memory="4MiB", max_num_batched_tokens=32
+    )
     agreed = compare_with_hf(llm, hf_model, prompts(2), 16, SamplingParams)
     assert agreed == [16] * 8
 

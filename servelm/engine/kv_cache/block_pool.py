@@ -126,7 +126,9 @@ class BlockPool:
         """free + used == total; no block both free and used; the hash map points at its blocks."""
         used = sum(1 for b in self.blocks if b.ref_cnt > 0)
         if used + len(self._free) != self.num_blocks:
-            raise AssertionError(f"{used} used + {len(self._free)} free != {self.num_blocks} blocks")
+            raise AssertionError(
+                f"{used} used + {len(self._free)} free != {self.num_blocks} blocks"
+            )
         for block in self._free.values():
             if block.ref_cnt != 0:
                 raise AssertionError(f"{block} is in the free queue but referenced")

@@ -102,7 +102,11 @@ class KVCacheManager:
         new_computed_blocks = new_computed_blocks or []
         held = self.req_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
-        needed = cdiv(num_computed + num_new_tokens, self.block_size) - len(held) - len(new_computed_blocks)
+        needed = (
+            cdiv(num_computed + num_new_tokens, self.block_size)
+            - len(held)
+            - len(new_computed_blocks)
+        )
         # Hit blocks that sit in the free queue stop being allocatable once we take them.
         reclaimed = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if max(needed, 0) > self.pool.num_free_blocks - reclaimed:

@@ -38,7 +38,11 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
 
 class RotaryEmbedding(nn.Module):
     def __init__(
-        self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None,
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: dict[str, Any] | None,
         dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()

@@ -38,7 +38,10 @@ def test_prefix_hit_shares_blocks_and_skips_last_token():
     a.num_computed_tokens = 12
     b = req("b", list(range(12)))  # identical prompt: 3 full blocks cached
     hit, n = kv.get_computed_blocks(b)
-    assert [blk.block_id for blk in hit] == [0, 1] and n == 8  # the block holding the last token is recomputed
+    assert [blk.block_id for blk in hit] == [
+        0,
+        1,
+    ] and n == 8  # the block holding the last token is recomputed
     assert kv.allocate_slots(b, 12 - n, hit) is not None
     assert kv.block_ids("b")[:2] == [0, 1] and kv.block_ids("b")[2] == 3
     assert [kv.pool.blocks[i].ref_cnt for i in (0, 1, 2, 3)] == [2, 2, 1, 1]

@@ -1,0 +1,152 @@
+"""servelm matches transformers on the real default model (SmolLM2-135M-Instruct, float32).
+
+Eight prompts of mixed lengths run as one continuous batch and must give transformers' greedy
+tokens under the rule in tests/golden.py; then again with a shared system prompt (prefix cache
+hits), with 32-token chunked prefill, and with a KV pool small enough to force preemption.
+Transformers' answer for a prompt is computed once and reused by every scenario.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from servelm import LLM, SamplingParams
+from tests.golden import TOP, assert_close_greedy, hf_greedy, our_tops
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 32
+# Bytes of one 16-token KV block: k+v, 30 layers, 3 kv heads, head dim 64, fp32.
+BYTES_PER_BLOCK = 2 * 30 * 3 * 64 * 4 * 16
+
+LONG = (
+    " ".join(
+        f"Step {i}: the scheduler admits request {i * 7 % 13}, gives it {i % 4 + 1} blocks of "
+        f"sixteen tokens, and streams its tokens back to the client."
+        for i in range(10)
+    )
+    + "\nSummary of the steps above:"
+)
+
+SYSTEM = " ".join(
+    ["You are a careful assistant for an inference team. Answer in short, plain sentences."]
+    + [
+        f"Rule {i}: never invent numbers; when a value is unknown, say that it is unknown and "
+        f"suggest how to measure it."
+        for i in range(1, 8)
+    ]
+)
+
+
+@pytest.fixture(scope="module")
+def hf_model(default_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def llm(default_model_dir):
+    engine = LLM(str(default_model_dir), dtype="float32", kv_cache_memory="128MiB")
+    yield engine
+    del engine
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model):
+    """transformers' greedy tokens and top-5 per prompt, computed once per distinct prompt."""
+    cache: dict[tuple[int, ...], tuple[list[int], list[set[int]]]] = {}
+
+    def get(prompt: list[int]) -> tuple[list[int], list[set[int]]]:
+        key = tuple(prompt)
+        if key not in cache:
+            cache[key] = hf_greedy(hf_model, prompt, MAX_TOKENS)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def prompts(llm) -> list[list[int]]:
+    tok = llm.tokenizer
+    out = [
+        tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}]),
+        tok.encode("The capital of France is"),
+        tok.encode('def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'),
+        tok.encode(LONG),
+        tok.encode("Hello"),
+        tok.encode("List three primary colors:\n1."),
+        tok.encode_chat(
+            [
+                {"role": "system", "content": "You translate English to French."},
+                {"role": "user", "content": "Good morning, how are you?"},
+            ]
+        ),
+        tok.encode("import torch\n\nclass MLP(torch.nn.Module):\n    def __init__(self"),
+    ]
+    assert 280 <= len(out[3]) <= 340, len(out[3])
+    return out
+
+
+def check(llm, reference, prompts: list[list[int]]) -> list[int]:
+    """Runs all prompts as one batch; asserts the golden rule; returns leading tokens agreed."""
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP)
+    results = llm.generate(prompts, params)
+    agreed = []
+    for prompt, res in zip(prompts, results, strict=True):
+        comp = res.outputs[0]
+        assert comp.finish_reason == "length" and len(comp.token_ids) == MAX_TOKENS
+        theirs, tops = reference(prompt)
+        agreed.append(assert_close_greedy(comp.token_ids, our_tops(comp), theirs, tops))
+    llm.engine.check_integrity()
+    assert llm.engine.scheduler.kv.usage() == 0.0
+    print("agreed tokens:", agreed)
+    return agreed
+
+
+def test_batched_greedy_matches_transformers(llm, reference, prompts):
+    agreed = check(llm, reference, prompts)
+    assert sum(a == MAX_TOKENS for a in agreed) >= 6, agreed
+
+
+def test_shared_system_prompt_hits_prefix_cache(llm, reference):
+    questions = [
+        "How many GPUs do I need for a 7B model?",
+        "What is a KV cache?",
+        "Hello!",
+        "Explain prefix caching in one sentence.",
+        "What does TTFT mean?",
+        "Is batching good for latency?",
+        "Write a haiku about tokens.",
+        "Say yes or no.",
+    ]
+    prompts = [
+        llm.tokenizer.encode_chat(
+            [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
+        )
+        for q in questions
+    ]
+    assert 190 <= len(llm.tokenizer.encode(SYSTEM)) <= 230
+    hits_before = llm.totals.prefix_cache_hits
+    check(llm, reference, prompts)
+    assert llm.totals.prefix_cache_hits - hits_before > 0
+
+
+def test_chunked_prefill_matches(default_model_dir, reference, prompts):
+    llm = LLM(
+        str(default_model_dir), dtype="float32", kv_cache_memory="128MiB", max_num_batched_tokens=32
+    )
+    check(llm, reference, prompts)
+
+
+def test_preemption_recomputes_correctly(default_model_dir, reference, prompts):
+    # Enough blocks for the longest request alone, far fewer than the whole batch needs.
+    longest = max(-(-(len(p) + MAX_TOKENS) // 16) for p in prompts)
+    total = sum(-(-(len(p) + MAX_TOKENS) // 16) for p in prompts)
+    blocks = longest + 4
+    assert blocks < total
+    llm = LLM(str(default_model_dir), dtype="float32", kv_cache_memory=blocks * BYTES_PER_BLOCK)
+    assert llm.info.num_blocks == blocks
+    check(llm, reference, prompts)
+    assert llm.totals.num_preemptions > 0
