@@ -1,0 +1,228 @@
+"""The router's HTTP app: the OpenAI routes it proxies, /v1/models, probes, metrics, admin API.
+
+Per request: API key and rate limits (ratelimit.py) -> model known? -> proxy.py picks a
+replica with the policy and relays the answer -> the usage corrects the token charge.
+Background: the health checker, which also re-reads the replicas and keys files when they change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
+
+import httpx
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from servelm.router.config import FileWatcher, RouterConfig
+from servelm.router.health import HealthChecker
+from servelm.router.metrics import ChunkTimings, RouterMetrics
+from servelm.router.policies import POLICIES, LeastLoaded, PrefixAware, RoundRobin, RoutingPolicy
+from servelm.router.proxy import Proxy
+from servelm.router.ratelimit import Admission, ApiKey, RateLimited, RateLimiter
+from servelm.router.replicas import ReplicaSet, normalize_url, parse_replicas_file
+from servelm.server.errors import APIError, error_response
+
+logger = logging.getLogger("servelm.router")
+
+PROXIED = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/tokenize", "/detokenize")
+
+
+def build_policy(config: RouterConfig) -> RoutingPolicy:
+    if config.policy == RoundRobin.name:
+        return RoundRobin()
+    if config.policy == LeastLoaded.name:
+        return LeastLoaded(config.seed)
+    if config.policy == PrefixAware.name:
+        return PrefixAware(
+            config.prefix_block_chars,
+            config.prefix_max_blocks,
+            config.prefix_table_size,
+            config.imbalance_abs,
+            config.imbalance_rel,
+            config.seed,
+        )
+    raise ValueError(f"unknown policy {config.policy!r}; choose from {sorted(POLICIES)}")
+
+
+class Router:
+    """Everything one router process holds; the routes below are thin wrappers over it."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.replicas = ReplicaSet()
+        self.weights = {normalize_url(u): w for u, w in config.weights.items()}
+        for url in config.replicas:
+            self.replicas.add(url, self.weights.get(normalize_url(url), 1.0))
+        self.metrics = RouterMetrics()
+        self.limiter = RateLimiter()
+        self.policy = build_policy(config)
+        self.timings = ChunkTimings() if config.debug else None
+        self._replicas_file = FileWatcher(config.replicas_file) if config.replicas_file else None
+        self._keys_file = FileWatcher(config.api_keys_file) if config.api_keys_file else None
+        self.reload_files(initial=True)  # a missing or bad file fails at start-up, not later
+        timeout = httpx.Timeout(connect=config.connect_timeout_s, read=None, write=30.0, pool=None)
+        limits = httpx.Limits(
+            max_connections=None, max_keepalive_connections=256, keepalive_expiry=4.0
+        )
+        self.client = httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
+        self.health = HealthChecker(
+            self.replicas,
+            self.client,
+            self.metrics,
+            config.health_interval_s,
+            config.health_timeout_s,
+            config.failure_threshold,
+            config.eject_cooldown_s,
+            config.max_eject_cooldown_s,
+            config.upstream_api_key,
+            on_tick=self.reload_files,
+        )
+        self.proxy = Proxy(
+            self.replicas,
+            self.policy,
+            self.health,
+            self.metrics,
+            self.client,
+            config.upstream_api_key,
+            config.max_waiting_per_replica,
+            self.timings,
+        )
+
+    def reload_files(self, initial: bool = False) -> None:
+        """Re-read the replicas and keys files if they changed (always on the first call)."""
+        replicas_file, keys_file = self._replicas_file, self._keys_file
+        if replicas_file is not None and (replicas_file.changed() or initial):
+            specs = parse_replicas_file(replicas_file.path.read_text())
+            for s in specs:
+                s.weight = self.weights.get(normalize_url(s.url), s.weight)
+            self.replicas.sync_file(specs)
+            logger.info("replicas file: %d replicas", len(specs))
+        if keys_file is not None and (keys_file.changed() or initial):
+            self.limiter.load_file(keys_file.path)
+            logger.info("API keys file loaded")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, _: Starlette) -> AsyncIterator[None]:
+        await self.health.check_all()  # first picture of the replicas before taking traffic
+        task = asyncio.create_task(self.health.run())
+        try:
+            yield
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await self.client.aclose()
+
+    async def proxied(self, request: Request) -> Response:
+        try:
+            return await self._proxied(request)
+        except APIError as exc:
+            return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
+
+    async def _proxied(self, request: Request) -> Response:
+        admission: Admission | None = None
+        key = self._authenticate(request) if self.limiter.enabled else None
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            raise APIError(400, "Request body is not valid JSON.") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "Request body must be a JSON object.")
+        model = body.get("model")
+        if isinstance(model, str) and not self.replicas.may_serve(model):
+            raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+        if key is not None:
+            try:
+                admission = self.limiter.admit(key, self.limiter.estimate_tokens(body))
+            except RateLimited as exc:
+                self.metrics.rate_limited.labels(exc.key.name, exc.limit).inc()
+                raise APIError(429, exc.message, None, "rate_limit_exceeded", exc.headers) from None
+
+        def on_usage(total: int | None) -> None:
+            if admission is not None:
+                self.limiter.settle(admission, total)
+
+        headers = dict(request.headers)
+        if request.client is not None:
+            headers["x-forwarded-for"] = request.client.host
+        forward = self.proxy.forward(
+            request.url.path,
+            body,
+            headers,
+            admission.headers if admission else {},
+            on_usage,
+            want_usage=admission is not None,
+        )
+        return await unless_disconnected(request, forward)
+
+    def _authenticate(self, request: Request) -> ApiKey:
+        key = self.limiter.authenticate(request.headers.get("authorization"))
+        if key is None:
+            raise APIError(
+                401,
+                "Invalid or missing API key.",
+                None,
+                "invalid_api_key",
+                {"WWW-Authenticate": "Bearer"},
+            )
+        return key
+
+    async def models(self, request: Request) -> Response:
+        if self.limiter.enabled:
+            try:
+                self._authenticate(request)
+            except APIError as exc:
+                return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
+        return JSONResponse({"object": "list", "data": self.replicas.model_cards()})
+
+    async def health_route(self, _: Request) -> Response:
+        if any(r.available for r in self.replicas):
+            return Response(status_code=200)
+        return error_response(503, "No replica is available.", headers={"Retry-After": "2"})
+
+    async def metrics_route(self, _: Request) -> Response:
+        return Response(self.metrics.render(self.replicas), media_type=CONTENT_TYPE_LATEST)
+
+
+async def unless_disconnected(request: Request, work: Coroutine[Any, Any, Response]) -> Response:
+    """Await `work`, cancelling it if the client hangs up first (a non-stream answer or a
+    queued stream can take minutes; closing the upstream connection aborts it on the replica).
+    The watch ends before a response is returned: a stream watches on its own from then on."""
+
+    async def disconnect() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(disconnect())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, watch, return_exceptions=True)
+    if task.cancelled():
+        return Response(status_code=499)  # nobody is listening; the status is for the logs
+    return task.result()
+
+
+def build_app(router: Router) -> Starlette:
+    from servelm.router.admin import admin_routes
+
+    routes = [Route(p, router.proxied, methods=["POST"]) for p in PROXIED]
+    routes += [
+        Route("/v1/models", router.models, methods=["GET"]),
+        Route("/health", router.health_route, methods=["GET"]),
+        Route("/metrics", router.metrics_route, methods=["GET"]),
+        *admin_routes(router),
+    ]
+    app = Starlette(routes=routes, lifespan=router.lifespan)
+    app.state.router = router
+    return app

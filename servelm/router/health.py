@@ -1,0 +1,167 @@
+"""Replica health: active probes (/health, /metrics, /v1/models) and the circuit breaker.
+
+Breaker, per replica:
+
+    PENDING --probe ok--> HEALTHY --refused / 503 / N soft failures--> EJECTED
+                             ^                                           |
+                             +--- probe ok, once the cool-down is over --+
+
+A refused connection or an explicit 503 ejects at once (the replica said so); timeouts and
+other soft errors eject after `failure_threshold` in a row. The proxy reports what it sees
+too, so a dead replica leaves rotation on its first refused request, not the next probe.
+A replica ejected again soon after re-admission gets double the cool-down (up to a cap).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from servelm.router.metrics import RouterMetrics
+from servelm.router.replicas import Replica, ReplicaSet, ReplicaState
+
+logger = logging.getLogger("servelm.router")
+
+_PREFIXES = ("servelm:", "vllm:")
+_WAITING = ("num_requests_waiting",)
+_RUNNING = ("num_requests_running",)
+_KV = ("kv_cache_usage_perc", "gpu_cache_usage_perc")
+_FLAP_WINDOW_S = 30.0
+
+
+def parse_load(text: str) -> tuple[float, float, float] | None:
+    """(waiting, running, kv usage) summed over models from Prometheus text; None if absent."""
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if not family.name.startswith(_PREFIXES):
+            continue
+        short = family.name.split(":", 1)[1]
+        values = [s.value for s in family.samples]
+        if short in _WAITING or short in _RUNNING:
+            key = "waiting" if short in _WAITING else "running"
+            found[key] = found.get(key, 0.0) + sum(values)
+        elif short in _KV and values:
+            found["kv"] = max(found.get("kv", 0.0), *values)
+    if "waiting" not in found or "running" not in found:
+        return None
+    return found["waiting"], found["running"], found.get("kv", 0.0)
+
+
+def auth_headers(replica: Replica, default_key: str | None) -> dict[str, str]:
+    key = replica.api_key or default_key
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+class HealthChecker:
+    def __init__(
+        self,
+        replicas: ReplicaSet,
+        client: httpx.AsyncClient,
+        metrics: RouterMetrics,
+        interval_s: float = 1.0,
+        timeout_s: float = 2.0,
+        failure_threshold: int = 2,
+        cooldown_s: float = 2.0,
+        max_cooldown_s: float = 30.0,
+        upstream_api_key: str | None = None,
+        on_tick: Callable[[], None] | None = None,
+    ) -> None:
+        self.replicas = replicas
+        self.client = client
+        self.metrics = metrics
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.failure_threshold = failure_threshold
+        self.cooldown_s = cooldown_s
+        self.max_cooldown_s = max_cooldown_s
+        self.upstream_api_key = upstream_api_key
+        self.on_tick = on_tick
+
+    async def run(self) -> None:
+        while True:
+            if self.on_tick is not None:
+                try:
+                    self.on_tick()
+                except Exception:  # a bad config file must not stop health checks
+                    logger.exception("reloading configuration failed")
+            await self.check_all()
+            await asyncio.sleep(self.interval_s)
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.probe(r) for r in self.replicas))
+        self.replicas.reap()
+
+    async def probe(self, r: Replica) -> None:
+        headers = auth_headers(r, self.upstream_api_key)
+        try:
+            resp = await self.client.get(r.url + "/health", headers=headers, timeout=self.timeout_s)
+        except httpx.ConnectError as exc:
+            return self.report_failure(r, f"connect failed: {exc}", definitive=True)
+        except httpx.HTTPError as exc:
+            return self.report_failure(r, f"health check failed: {type(exc).__name__}: {exc}")
+        if resp.status_code != 200:
+            return self.report_failure(
+                r, f"/health answered {resp.status_code}", definitive=resp.status_code == 503
+            )
+        metrics, models = await asyncio.gather(
+            self._get(r, "/metrics", headers), self._get(r, "/v1/models", headers)
+        )
+        load = None
+        if metrics is not None:
+            try:
+                load = parse_load(metrics.text)
+            except ValueError:
+                logger.warning("unparsable /metrics from %s", r.url)
+        if load is not None:
+            r.on_scrape(*load)
+        else:
+            r.waiting = r.running = None
+        if models is not None and models.status_code == 200:
+            r.models = _model_cards(models.json())
+        self.report_success(r)
+
+    async def _get(self, r: Replica, path: str, headers: dict[str, str]) -> httpx.Response | None:
+        try:
+            resp = await self.client.get(r.url + path, headers=headers, timeout=self.timeout_s)
+        except httpx.HTTPError:
+            return None
+        return resp if resp.status_code == 200 else None
+
+    def report_failure(self, r: Replica, reason: str, definitive: bool = False) -> None:
+        r.failures += 1
+        r.last_error = reason
+        if r.state is not ReplicaState.HEALTHY:
+            return  # pending or already ejected: stays out
+        if definitive or r.failures >= self.failure_threshold:
+            now = time.monotonic()
+            flapping = r.cooldown_s > 0 and now - r.admitted_at < _FLAP_WINDOW_S
+            r.cooldown_s = (
+                min(2 * r.cooldown_s, self.max_cooldown_s) if flapping else self.cooldown_s
+            )
+            r.ejected_until = now + r.cooldown_s
+            r.state = ReplicaState.EJECTED
+            self.metrics.ejections.labels(r.url).inc()
+            logger.warning("ejected %s for %.1f s: %s", r.url, r.cooldown_s, reason)
+
+    def report_success(self, r: Replica) -> None:
+        r.failures = 0
+        if r.state is ReplicaState.HEALTHY or time.monotonic() < r.ejected_until:
+            return
+        if r.state is ReplicaState.EJECTED:
+            logger.info("re-admitted %s", r.url)
+        r.state = ReplicaState.HEALTHY
+        r.admitted_at = time.monotonic()
+        r.last_error = None
+
+
+def _model_cards(body: Any) -> dict[str, dict[str, Any]] | None:
+    data = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(data, list):
+        return None
+    return {str(m["id"]): m for m in data if isinstance(m, dict) and "id" in m}

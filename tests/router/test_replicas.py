@@ -1,0 +1,120 @@
+"""The replica set, the replicas file, /metrics parsing and the circuit breaker (no processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from servelm.router.health import HealthChecker, parse_load
+from servelm.router.metrics import RouterMetrics
+from servelm.router.replicas import Lease, ReplicaSet, ReplicaState, parse_replicas_file
+
+SERVELM_METRICS = """\
+# TYPE servelm:num_requests_running gauge
+servelm:num_requests_running{model_name="a"} 3.0
+servelm:num_requests_running{model_name="b"} 1.0
+# TYPE servelm:num_requests_waiting gauge
+servelm:num_requests_waiting{model_name="a"} 2.0
+# TYPE servelm:kv_cache_usage_perc gauge
+servelm:kv_cache_usage_perc{model_name="a"} 0.25
+"""
+VLLM_METRICS = """\
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="x"} 4.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{model_name="x"} 0.0
+# TYPE vllm:gpu_cache_usage_perc gauge
+vllm:gpu_cache_usage_perc{model_name="x"} 0.5
+"""
+
+
+def test_parse_load_reads_servelm_and_vllm_names() -> None:
+    assert parse_load(SERVELM_METRICS) == (2.0, 4.0, 0.25)
+    assert parse_load(VLLM_METRICS) == (0.0, 4.0, 0.5)
+    assert parse_load("# nothing here\n") is None
+
+
+def test_candidates_follow_state_drain_and_models() -> None:
+    rs = ReplicaSet()
+    a, b = rs.add("http://a:1/v1/"), rs.add("http://b:1", weight=2)
+    assert a.url == "http://a:1"
+    assert rs.candidates("m") == []  # pending until a health check passes
+    a.state = b.state = ReplicaState.HEALTHY
+    a.models, b.models = {"m": {"id": "m"}}, {"n": {"id": "n"}}
+    assert rs.candidates("m") == [a] and rs.candidates("n") == [b] and rs.candidates(None) == [a, b]
+    assert rs.may_serve("n") and not rs.may_serve("zzz")
+    assert [c["id"] for c in rs.model_cards()] == ["m", "n"]
+    lease = Lease(a)
+    rs.drain(a.url)
+    assert rs.candidates("m") == [] and rs.get(a.url) is a  # draining: kept while a stream is open
+    lease.release()
+    rs.reap()
+    assert rs.get(a.url) is None
+
+
+def test_replicas_file_formats_and_sync() -> None:
+    text = "# pool\nhttp://a:1 2.5\nhttp://b:1  # no weight\n"
+    specs = parse_replicas_file(text)
+    assert [(s.url, s.weight) for s in specs] == [("http://a:1", 2.5), ("http://b:1", 1.0)]
+    js = parse_replicas_file('{"replicas": ["http://a:1", {"url": "http://c:1", "weight": 0.1}]}')
+    assert [(s.url, s.weight) for s in js] == [("http://a:1", 1.0), ("http://c:1", 0.1)]
+    rs = ReplicaSet()
+    rs.add("http://static:1")
+    rs.sync_file(specs)
+    rs.sync_file(js)
+    assert sorted(r.url for r in rs) == ["http://a:1", "http://c:1", "http://static:1"]
+    assert rs.get("http://a:1").weight == 1.0
+
+
+@pytest.fixture
+def checker() -> HealthChecker:
+    return HealthChecker(
+        ReplicaSet(),
+        httpx.AsyncClient(),
+        RouterMetrics(),
+        failure_threshold=2,
+        cooldown_s=0.2,
+        max_cooldown_s=1.0,
+    )
+
+
+def test_breaker_ejects_and_readmits_after_cooldown(checker: HealthChecker) -> None:
+    r = checker.replicas.add("http://a:1")
+    checker.report_success(r)
+    assert r.state is ReplicaState.HEALTHY
+    checker.report_failure(r, "timeout")
+    assert r.state is ReplicaState.HEALTHY  # one soft failure is not enough
+    checker.report_failure(r, "timeout")
+    assert r.state is ReplicaState.EJECTED
+    checker.report_success(r)
+    assert r.state is ReplicaState.EJECTED  # still cooling down
+    time.sleep(0.25)
+    checker.report_success(r)
+    assert r.state is ReplicaState.HEALTHY
+
+
+def test_breaker_ejects_at_once_on_refusal_and_backs_off_when_flapping(
+    checker: HealthChecker,
+) -> None:
+    r = checker.replicas.add("http://a:1")
+    checker.report_success(r)
+    checker.report_failure(r, "refused", definitive=True)
+    assert r.state is ReplicaState.EJECTED and r.cooldown_s == pytest.approx(0.2)
+    time.sleep(0.25)
+    checker.report_success(r)
+    checker.report_failure(r, "refused", definitive=True)  # right after re-admission: flapping
+    assert r.cooldown_s == pytest.approx(0.4)
+
+
+def test_probe_of_a_closed_port_keeps_a_new_replica_pending(checker: HealthChecker) -> None:
+    r = checker.replicas.add("http://127.0.0.1:9")  # discard port: nothing listens
+
+    async def probe() -> None:
+        await checker.probe(r)
+        await checker.client.aclose()
+
+    asyncio.run(probe())
+    assert r.state is ReplicaState.PENDING and "connect" in (r.last_error or "")
