@@ -83,5 +83,3 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # tokens, since the previous stats
     prefix_cache_hits: int = 0
     num_preemptions: int = 0  # since the previous stats
-    num_prompt_tokens: int = 0  # computed this step (prefill), since the previous stats
-    num_generation_tokens: int = 0
