@@ -14,7 +14,7 @@ import time
 from servelm.bench.results import Load
 from servelm.bench.workload import WorkloadSpec
 from servelm.sim.config import SimConfig, resolve
-from servelm.sim.simulator import simulate
+from servelm.sim.simulator import paused_gc, simulate
 from servelm.sim.workload import build_requests
 
 
@@ -32,9 +32,13 @@ def main() -> None:
     )
     deployment = resolve(config)
     c0, t0 = time.process_time(), time.perf_counter()
-    requests = build_requests(
-        config.workload, Load(rate=args.rate), args.requests, vocab_size=deployment.shape.vocab_size
-    )
+    with paused_gc():
+        requests = build_requests(
+            config.workload,
+            Load(rate=args.rate),
+            args.requests,
+            vocab_size=deployment.shape.vocab_size,
+        )
     t1 = time.perf_counter()
     outcome = simulate(deployment, requests)
     c2, t2 = time.process_time(), time.perf_counter()

@@ -24,6 +24,13 @@ from servelm.planner.shapes import ModelShape
 from servelm.sim.roofline import DeviceProfile, ModelCost, gpu_profile
 
 POLICIES = ("round-robin", "least-loaded")
+# Host (CPU) time per scheduled request per step on a GPU deployment: scheduling, input
+# preparation, sampling and output handling grow with the batch, while the roofline's
+# `step_overhead_s` is a flat 2 ms. An assumption, not a measurement of a GPU host: servelm's
+# scheduler alone spends ~2.5 us per request-step on a 2-core Xeon and its (unvectorised) input
+# building far more; 20 us is what a tuned Python engine plausibly sustains. With it a
+# 256-request decode step carries ~5 ms of host time. Override with `per_request_s`.
+GPU_PER_REQUEST_S = 20e-6
 CPU_KV_CACHE_GB = 2**30 / 1e9  # the engine's CPU default: 1 GiB
 
 
@@ -49,6 +56,7 @@ class SimConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
+    per_request_s: float | None = None  # host time per request per step; None: see resolve()
     workload: WorkloadSpec = field(default_factory=WorkloadSpec)
     num_requests: int = 2000
     seed: int = 0
@@ -71,7 +79,7 @@ class SimConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready, in the spirit of BenchConfig.to_dict (plots read model and slo)."""
-        profile = self.profile or gpu_profile(self.gpu, self.dtype)
+        profile = device_profile(self)
         return {
             "source": "servelm simulate",
             "model": self.model,
@@ -121,7 +129,7 @@ def resolve(config: SimConfig) -> Deployment:
     """Look up the model and GPU, size the KV pool, build the per-replica scheduler config."""
     shape = resolve_model(config.model)
     cost = ModelCost.from_shape(shape, config.dtype, config.kv_dtype, config.tp)
-    profile = config.profile or gpu_profile(config.gpu, config.dtype)
+    profile = device_profile(config)
     max_len = config.max_model_len or shape.max_context
     num_blocks = config.num_blocks or kv_blocks(config, shape, max_len)
     scheduler = SchedulerConfig(
@@ -134,6 +142,17 @@ def resolve(config: SimConfig) -> Deployment:
         policy=config.scheduling_policy,
     )
     return Deployment(config, shape, cost, profile, scheduler)
+
+
+def device_profile(config: SimConfig) -> DeviceProfile:
+    """The given profile, or the GPU's datasheet one with the simulator's host-time term."""
+    if config.profile is not None:
+        profile = config.profile
+    else:
+        profile = replace(gpu_profile(config.gpu, config.dtype), per_request_s=GPU_PER_REQUEST_S)
+    if config.per_request_s is not None:
+        profile = replace(profile, per_request_s=config.per_request_s)
+    return profile
 
 
 def kv_blocks(config: SimConfig, shape: ModelShape, max_len: int) -> int:

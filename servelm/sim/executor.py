@@ -4,10 +4,13 @@ It answers `execute(SchedulerOutput)` like the real model runner, sampling a dum
 every request whose prompt is complete, and prices the step with the roofline:
 
     per scheduled request   new = len(token_ids), prior = num_computed_tokens
-    decode  (prior >= prompt length, one new token)   -> decode_tokens += 1
-    prefill (a prompt chunk, first or later, or a recompute after preemption)
-                                                      -> prefill_tokens += new
+    one new token            -> decode_tokens += 1
+    more (a prompt chunk, first or later, or a recompute after preemption)
+                             -> prefill_tokens += new
     context read += prior;   attention pairs += pairs_for_request(new, prior)
+
+A one-token prompt chunk counts as a decode: the roofline prices both the same (it only sums
+them), so the split matters for token counts in reports, not for time.
 
 `last_step_s` is what the simulator advances the replica's clock by. The executor keeps no
 per-request state, so finished and preempted requests need no clean-up.
@@ -16,11 +19,17 @@ per-request state, so finished and preempted requests need no clean-up.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import compress
+from operator import attrgetter, mul
 
 from servelm.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from servelm.sim.roofline import DeviceProfile, ModelCost, step_cost
 
 DUMMY_TOKEN = 0  # never an EOS the simulator sets up; requests run to max_tokens
+_TOKEN_IDS = attrgetter("token_ids")
+_PRIOR = attrgetter("num_computed_tokens")
+_REQUEST_ID = attrgetter("request_id")
+_SAMPLE = attrgetter("sample")
 
 
 @dataclass
@@ -56,32 +65,44 @@ class SimExecutor:
         self.totals = ExecutorTotals()
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        prefill = decode = context = pairs = 0
-        sampled: dict[str, int] = {}
-        # Hot loop (once per request per step): locals only, no helper calls.
-        for r in scheduler_output.requests:
-            prior = r.num_computed_tokens
-            new = len(r.token_ids)
-            if new == 1 and prior >= len(r.prompt_token_ids):
-                decode += 1
-            else:
-                prefill += new
-            context += prior
-            pairs += new * prior + new * (new + 1) // 2  # pairs_for_request(new, prior)
-            if r.sample:
-                sampled[r.request_id] = DUMMY_TOKEN
-        n = len(scheduler_output.requests)
-        self.last = StepComposition(prefill, decode, context, pairs, len(sampled), n)
-        if n == 0:
+        reqs = scheduler_output.requests
+        ids = map(_REQUEST_ID, reqs)
+        sampled = dict.fromkeys(compress(ids, map(_SAMPLE, reqs)), DUMMY_TOKEN)
+        step = self.last = compose(scheduler_output)
+        if not step.num_requests:
             self.last_step_s = 0.0
             return ModelRunnerOutput(sampled)
         cost = step_cost(
-            self.profile, self.cost, prefill, decode, context, pairs, len(sampled), n
+            self.profile,
+            self.cost,
+            step.prefill_tokens,
+            step.decode_tokens,
+            step.context_tokens_read,
+            step.attention_pairs,
+            step.sampled_tokens,
+            step.num_requests,
         )
         self.last_step_s = cost.total_s
         totals = self.totals
         totals.steps += 1
         totals.busy_s += cost.total_s
-        totals.prefill_tokens += prefill
-        totals.decode_tokens += decode
+        totals.prefill_tokens += step.prefill_tokens
+        totals.decode_tokens += step.decode_tokens
         return ModelRunnerOutput(sampled)
+
+
+def compose(scheduler_output: SchedulerOutput) -> StepComposition:
+    """The step-time inputs of one scheduled step (also used to label real, timed steps)."""
+    reqs = scheduler_output.requests
+    n = len(reqs)
+    # Runs once per step over every scheduled request: C-level map/sum, no Python loop.
+    news = list(map(len, map(_TOKEN_IDS, reqs)))
+    priors = list(map(_PRIOR, reqs))
+    total_new, context = sum(news), sum(priors)
+    if total_new == n:  # every request computes one token: pairs_for_request(1, prior)
+        decode, pairs = n, context + n
+    else:  # sum of new*prior + new*(new+1)/2, the triangle summed exactly in integers
+        decode = news.count(1)
+        pairs = sum(map(mul, news, priors)) + (sum(map(mul, news, news)) + total_new) // 2
+    sampled = sum(map(_SAMPLE, reqs))
+    return StepComposition(total_new - decode, decode, context, pairs, sampled, n)

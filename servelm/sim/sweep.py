@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from servelm.bench.results import BenchResult, Load, RequestRecord, RunResult
-from servelm.bench.stats import capacity_at_slo, meets_slo, summarize
+from servelm.bench.stats import capacity_at_slo, summarize
 from servelm.sim.config import Deployment, SimConfig, resolve
-from servelm.sim.simulator import LevelOutcome, simulate
+from servelm.sim.simulator import LevelOutcome, RequestResult, paused_gc, simulate
 from servelm.sim.workload import build_requests
 
 
@@ -31,22 +31,33 @@ def run_level(
 ) -> tuple[RunResult, LevelOutcome]:
     """Simulate one load level; return it in the bench schema and the raw outcome."""
     cfg = deployment.config
-    requests = build_requests(
-        cfg.workload,
-        load,
-        cfg.num_requests,
-        cfg.seed,
-        level,
-        deployment.shape.vocab_size,
-        stream,
-    )
+    with paused_gc():  # millions of token ids: see `simulate`
+        requests = build_requests(
+            cfg.workload,
+            load,
+            cfg.num_requests,
+            cfg.seed,
+            level,
+            deployment.shape.vocab_size,
+            stream,
+        )
     outcome = simulate(deployment, requests)
     records = [to_record(r) for r in outcome.requests]
     summary = summarize(records, outcome.duration_s, cfg.slo)
     return RunResult(load, summary, server_block(outcome), records), outcome
 
 
-def to_record(r: Any) -> RequestRecord:
+def to_record(r: RequestResult) -> RequestRecord:
+    """A simulated request as the bench client would have recorded it (a refusal is a 400)."""
+    if r.error is not None:
+        return RequestRecord(
+            index=r.index,
+            start_s=r.arrival_s,
+            prompt_tokens=r.prompt_tokens,
+            requested_output_tokens=r.requested_output_tokens,
+            error="400",
+            error_message=r.error,
+        )
     return RequestRecord(
         index=r.index,
         start_s=r.arrival_s,
@@ -65,7 +76,7 @@ def server_block(outcome: LevelOutcome) -> dict[str, Any]:
     reps = outcome.replicas
     queries = sum(r.prefix_cache_queries for r in reps)
     hits = sum(r.prefix_cache_hits for r in reps)
-    ttfts = sorted(r.ttft_s for r in outcome.requests)
+    ttfts = sorted(r.ttft_s for r in outcome.requests if r.error is None)
     return {
         "metrics_prefix": "sim",
         "prompt_tokens": sum(r.prompt_tokens_computed for r in reps),
@@ -98,14 +109,15 @@ def run_sweep(config: SimConfig, loads: Sequence[Load]) -> BenchResult:
     """Simulate each load level in turn (level i draws stream i, as `servelm bench` does)."""
     deployment = resolve(config)
     runs = [run_level(deployment, load, level)[0] for level, load in enumerate(loads)]
-    return BenchResult(sim_config_dict(deployment), runs, capacity(runs, config))
+    return BenchResult(sim_config_dict(deployment, loads), runs, capacity(runs, config))
 
 
-def sim_config_dict(deployment: Deployment) -> dict[str, Any]:
+def sim_config_dict(deployment: Deployment, loads: Sequence[Load] = ()) -> dict[str, Any]:
+    """SimConfig.to_dict with the resolved pool size and context, and the swept loads."""
     data = deployment.config.to_dict()
     data["num_blocks"] = deployment.scheduler.num_blocks
     data["max_model_len"] = deployment.scheduler.max_model_len
-    data["loads"] = []
+    data["loads"] = [load.to_dict() for load in loads]
     return data
 
 
@@ -135,8 +147,7 @@ class CapacityResult:
 def meets_at(deployment: Deployment, rate: float, burstiness: float = 1.0) -> float:
     """SLO attainment at `rate` on the fixed 'search' stream (same gaps, scaled)."""
     run, _ = run_level(deployment, Load(rate=rate, burstiness=burstiness), stream="search")
-    cfg = deployment.config
-    return sum(1 for r in run.requests if meets_slo(r, cfg.slo)) / len(run.requests)
+    return run.summary["slo_attainment"]
 
 
 def search_capacity(
@@ -145,14 +156,24 @@ def search_capacity(
     rel_tol: float = 0.03,
     burstiness: float = 1.0,
     max_rate: float = 1e5,
+    min_span_s: float = 30.0,
 ) -> CapacityResult:
-    """Grow the rate x2 from `start` until the SLO misses, then bisect to `rel_tol`."""
+    """Grow the rate x2 from `start` until the SLO misses, then bisect to `rel_tol`.
+
+    A probe sends `config.num_requests`, or more so that arrivals span at least `min_span_s`:
+    a level much shorter than a request's own latency ends before any queue builds, and
+    short levels overstate capacity.
+    """
     deployment = resolve(config)
     threshold = config.capacity_threshold
     probes: list[tuple[float, float]] = []
 
     def ok(rate: float) -> bool:
-        attained = meets_at(deployment, rate, burstiness)
+        count = max(config.num_requests, math.ceil(rate * min_span_s))
+        probe = deployment
+        if count != config.num_requests:
+            probe = replace(deployment, config=config.with_(num_requests=count))
+        attained = meets_at(probe, rate, burstiness)
         probes.append((rate, attained))
         return attained >= threshold
 
@@ -180,22 +201,27 @@ def search_capacity(
 
 
 def replicas_for_rate(
-    config: SimConfig, target_rate: float, per_replica: float | None = None, max_replicas: int = 64
+    config: SimConfig,
+    target_rate: float,
+    per_replica: float | None = None,
+    max_replicas: int = 64,
+    min_span_s: float = 30.0,
 ) -> tuple[int, float]:
     """Fewest replicas that meet the SLO at `target_rate`; returns (replicas, attainment).
 
     Starts from ceil(target / single-replica capacity) and adds replicas until a simulation
-    at the target rate (num_requests x replicas requests, so each replica sees a full level)
-    meets the SLO.
+    at the target rate (num_requests x replicas requests, so each replica sees a full level,
+    spanning at least `min_span_s`) meets the SLO.
     """
     if target_rate <= 0:
         raise ValueError("target rate must be > 0")
     if per_replica is None:
-        per_replica = search_capacity(config.with_(replicas=1)).rate
+        per_replica = search_capacity(config.with_(replicas=1), min_span_s=min_span_s).rate
     n = max(1, math.ceil(target_rate / per_replica)) if per_replica > 0 else 1
     attained = 0.0
     while n <= max_replicas:
-        cfg = config.with_(replicas=n, num_requests=config.num_requests * n)
+        count = max(config.num_requests * n, math.ceil(target_rate * min_span_s))
+        cfg = config.with_(replicas=n, num_requests=count)
         attained = meets_at(resolve(cfg), target_rate)
         if attained >= config.capacity_threshold:
             return n, attained

@@ -38,6 +38,8 @@ def request_lengths(spec: WorkloadSpec, seed: int, stream: str, index: int) -> t
     Input excludes the shared prefix. Keep in step with `Workload.request` (same stream name,
     same order of draws) so a simulated level and a measured one send the same lengths.
     """
+    if spec.len_dist == "fixed":  # no draws: skip seeding a generator per request
+        return spec.input_len, spec.output_len
     rng = random.Random(f"{seed}/{stream}/{index}")
     output_len = sample_length(rng, spec.output_len, spec.len_dist, spec.len_spread)
     input_len = sample_length(rng, spec.input_len, spec.len_dist, spec.len_spread)

@@ -34,6 +34,24 @@ def hash_block_tokens(parent_hash: BlockHash, token_ids: Sequence[int]) -> Block
     return h.digest()
 
 
+def hash_block_chain(
+    parent_hash: BlockHash, token_ids: Sequence[int], block_size: int
+) -> list[BlockHash]:
+    """`hash_block_tokens` over each full block of `token_ids` in turn, chained from
+    `parent_hash` (a partial tail is ignored). The same values as calling it block by block;
+    the ids become bytes once instead of once per block."""
+    ids = array("i", token_ids)
+    raw = memoryview(ids.tobytes())
+    width = block_size * ids.itemsize  # bytes per block
+    out = []
+    for start in range(0, len(raw) - width + 1, width):
+        h = hashlib.blake2b(parent_hash, digest_size=16)
+        h.update(raw[start : start + width])
+        parent_hash = h.digest()
+        out.append(parent_hash)
+    return out
+
+
 @dataclass(eq=False)
 class KVBlock:
     block_id: int

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from servelm.engine.kv_cache.block_pool import ROOT_HASH, BlockPool, KVBlock, hash_block_tokens
+from servelm.engine.kv_cache.block_pool import ROOT_HASH, BlockPool, KVBlock, hash_block_chain
 from servelm.engine.request import Request
 
 
@@ -56,11 +56,13 @@ class KVCacheManager:
     def _update_block_hashes(self, request: Request, num_full_blocks: int) -> None:
         """Extend the request's chained block hashes to cover its first `num_full_blocks`."""
         hashes = request.block_hashes
+        start = len(hashes)
+        if start >= num_full_blocks:
+            return
         bs = self.block_size
-        while len(hashes) < num_full_blocks:
-            i = len(hashes)
-            parent = hashes[-1] if hashes else ROOT_HASH
-            hashes.append(hash_block_tokens(parent, request.token_ids_slice(i * bs, (i + 1) * bs)))
+        parent = hashes[-1] if hashes else ROOT_HASH
+        tokens = request.token_ids_slice(start * bs, num_full_blocks * bs)
+        hashes.extend(hash_block_chain(parent, tokens, bs))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """The longest cached prefix of the request, as blocks and as a token count.

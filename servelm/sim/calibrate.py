@@ -1,0 +1,217 @@
+"""Calibration: time the REAL engine on this machine and fit a DeviceProfile to it.
+
+The default model (or any folder) is loaded in-process with `servelm.llm.LLM`; its EngineCore
+steps batches built here, and each whole `engine.step()` (schedule + forward + sample + update)
+is timed, since that is what the simulator's clock advances by. Shapes:
+
+    prefill   one fresh prompt of N tokens per step           N in 64 .. 1024
+    decode    B requests with C-token contexts, one token each B in 1 .. 32, C in 64 .. 256
+
+A short untimed warm-up runs first. Then rounds: each round times every shape once (a decode
+shape: the fastest of four steps), and each shape keeps its fastest time over the rounds, since
+on a shared machine noise only ever adds time, and spreading a shape's samples over rounds
+keeps one burst of noise from spoiling all of them. Shapes alternate between a fitting set and a held-out set (interleaved in time,
+so machine noise hits both alike); the profile is fitted on the first and judged on the second.
+Prompts are random ids so the prefix cache never shortens a prefill.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from servelm.engine.core import EngineCore
+from servelm.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from servelm.engine.request import Request
+from servelm.engine.sampling_params import SamplingParams
+from servelm.planner.shapes import shape_from_folder
+from servelm.sim.executor import StepComposition, compose
+from servelm.sim.fit import TimedStep, fit_profile, relative_errors
+from servelm.sim.profiles import ProfileFile
+from servelm.sim.roofline import ModelCost
+
+# (kind, size, context): prefill size = prompt tokens; decode size = batch, context = prompt.
+FIT_SHAPES = [
+    ("prefill", 64, 0),
+    ("decode", 1, 128),
+    ("prefill", 1024, 0),
+    ("decode", 32, 64),
+    ("prefill", 256, 0),
+    ("decode", 8, 256),
+]
+HELD_OUT_SHAPES = [
+    ("prefill", 512, 0),
+    ("decode", 4, 128),
+    ("prefill", 128, 0),
+    ("decode", 16, 64),
+]
+
+
+@dataclass
+class Calibration:
+    """What a calibration measured and fitted."""
+
+    profile_file: ProfileFile
+    fitted: list[TimedStep] = field(default_factory=list)
+    held_out: list[TimedStep] = field(default_factory=list)
+    held_out_errors: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+class _Recorder:
+    """Wraps the real executor to note what each step computed."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.last = StepComposition()
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.last = compose(scheduler_output)
+        return self.inner.execute(scheduler_output)
+
+
+class _Bench:
+    """Builds batches on one engine and times its steps."""
+
+    def __init__(
+        self, engine: EngineCore, vocab_size: int, seed: int, clock: str, threads: int
+    ) -> None:
+        if clock not in ("cpu", "wall"):
+            raise ValueError(f"clock must be 'cpu' or 'wall', got {clock!r}")
+        self.engine = engine
+        self.vocab_size = vocab_size
+        self.clock = clock
+        self.threads = max(1, threads)
+        self.wall_s = self.cpu_s = 0.0  # totals over timed steps, for the report
+        self.rng = random.Random(seed)
+        self.count = 0
+        self.recorder = _Recorder(engine.executor)
+        engine.executor = self.recorder
+
+    def _add(self, prompt_len: int, max_tokens: int) -> str:
+        self.count += 1
+        rid = f"calib-{self.count}"
+        ids = [self.rng.randrange(3, self.vocab_size) for _ in range(prompt_len)]
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+        self.engine.add_request(Request(rid, ids, params))
+        return rid
+
+    def _timed_step(self) -> tuple[StepComposition, float]:
+        w0, c0 = time.perf_counter(), time.process_time()
+        self.engine.step()
+        wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+        self.wall_s += wall
+        self.cpu_s += cpu
+        return self.recorder.last, wall if self.clock == "wall" else cpu / self.threads
+
+    def prefill(self, tokens: int) -> TimedStep:
+        self._add(tokens, max_tokens=1)  # finishes in its prefill step
+        step, seconds = self._timed_step()
+        return TimedStep(step, seconds, f"prefill {tokens}")
+
+    def decode(self, batch: int, context: int, steps: int = 4) -> TimedStep:
+        rids = [self._add(context, max_tokens=10_000) for _ in range(batch)]
+        scheduler = self.engine.scheduler
+        while scheduler.waiting or any(
+            r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running
+        ):
+            self.engine.step()  # prefill the batch (untimed)
+        timed = [self._timed_step() for _ in range(steps)]
+        self.engine.abort_requests(rids)
+        step, seconds = min(timed, key=lambda t: t[1])
+        return TimedStep(step, seconds, f"decode {batch}x{context}")
+
+    def warm_up(self) -> None:
+        """First forwards of a process pay one-off costs; keep them out of every shape."""
+        for tokens in (64, 256, 1024):
+            self.prefill(tokens)
+        self.decode(8, 64)
+
+    def run(self, shape: tuple[str, int, int]) -> TimedStep:
+        kind, size, context = shape
+        return self.prefill(size) if kind == "prefill" else self.decode(size, context)
+
+
+def calibrate(
+    model: str | None = None,
+    budget_s: float = 45.0,
+    rounds: int = 4,
+    seed: int = 0,
+    clock: str = "cpu",
+    fit_shapes: list[tuple[str, int, int]] | None = None,
+    held_out_shapes: list[tuple[str, int, int]] | None = None,
+    **engine_kwargs: Any,
+) -> Calibration:
+    """Load `model` (None: the default model) on this machine's CPU, time steps, fit a profile.
+
+    Every shape is timed once per round (fit and held-out shapes interleaved) and keeps its
+    fastest time over the rounds; a new round starts only while `budget_s` (model loading and
+    warm-up excluded) looks enough for it. The first round always completes.
+
+    `clock="cpu"` times a step by the process's CPU time divided by torch's thread count: on
+    a machine shared with other jobs that is what the step would take alone (wall time also
+    counts the time other processes hold the cores). `clock="wall"` uses wall time.
+    """
+    import torch
+
+    from servelm.llm import LLM  # torch: only when calibrating
+
+    engine_kwargs.setdefault("device", "cpu")
+    llm = LLM(model, **engine_kwargs)
+    shape = shape_from_folder(llm.info.model_dir)
+    cost = ModelCost.from_shape(shape)
+    bench = _Bench(llm.engine, shape.vocab_size, seed, clock, torch.get_num_threads())
+    bench.warm_up()
+    fit_plan = list(fit_shapes or FIT_SHAPES)
+    held_plan = list(held_out_shapes or HELD_OUT_SHAPES)
+    plan = _interleave(fit_plan, held_plan)
+    best: dict[int, TimedStep] = {}
+    t0 = time.perf_counter()
+    done = 0
+    while done < rounds:
+        elapsed = time.perf_counter() - t0
+        if done and elapsed * (done + 1) / done > budget_s:
+            break  # another round of the same length would overrun the budget
+        done += 1
+        for i, (shape_, _) in enumerate(plan):
+            point = bench.run(shape_)
+            if i not in best or point.seconds < best[i].seconds:
+                best[i] = point
+    llm.engine.check_integrity()
+    fitted = [best[i] for i, (_, fit) in enumerate(plan) if fit]
+    held = [best[i] for i, (_, fit) in enumerate(plan) if not fit]
+    profile = fit_profile(fitted, cost, name=f"cpu fitted on {shape.name}")
+    errors = relative_errors(profile, cost, held)
+    fit_errors = relative_errors(profile, cost, fitted)
+    report = {
+        "cost_model": cost.name,
+        "rounds": done,
+        "clock": clock,
+        "torch_threads": bench.threads,
+        "timed_wall_s": bench.wall_s,
+        "timed_cpu_s": bench.cpu_s,
+        "points": [_point(p, e) for p, e in zip(fitted, fit_errors, strict=True)],
+        "held_out": [_point(p, e) for p, e in zip(held, errors, strict=True)],
+        "max_abs_held_out_error": max((abs(e) for e in errors), default=None),
+    }
+    elapsed = time.perf_counter() - t0
+    return Calibration(
+        ProfileFile(profile, str(llm.info.model_dir), report), fitted, held, errors, elapsed
+    )
+
+
+def _interleave(
+    fit: list[tuple[str, int, int]], held: list[tuple[str, int, int]]
+) -> list[tuple[tuple[str, int, int], bool]]:
+    """Fit and held-out shapes alternately, so machine noise hits both alike."""
+    out: list[tuple[tuple[str, int, int], bool]] = []
+    for i in range(max(len(fit), len(held))):
+        out += [(fit[i], True)] if i < len(fit) else []
+        out += [(held[i], False)] if i < len(held) else []
+    return out
+
+
+def _point(p: TimedStep, error: float) -> dict[str, Any]:
+    return {"label": p.label, "measured_s": p.seconds, "error": error, **p.step.__dict__}

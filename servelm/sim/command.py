@@ -1,0 +1,241 @@
+"""`servelm simulate`: latency, throughput and capacity of a deployment, without the hardware.
+
+servelm simulate --model llama-3.1-8b --gpu h100-80gb --preset chat --sweep-rate 2,4,8,16,24,32
+servelm simulate --preset rag --find-capacity --replicas 2 --policy least-loaded
+servelm simulate --target-rate 100 --out sim.json --plot plots/
+servelm simulate --calibrate --profile-out cpu.json     # time this machine's real engine
+servelm simulate --profile cpu.json --rate 1             # simulate with the fitted profile
+
+Exit status: 0 on success, 2 on bad arguments or an unknown model / GPU / profile file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from rich.console import Console
+
+from servelm.bench.report import server_table, summary_table
+from servelm.bench.results import BenchResult, Load
+from servelm.bench.stats import SLO
+from servelm.bench.workload import LENGTH_DISTS, PRESETS, WorkloadSpec
+from servelm.planner.catalog import GPUS
+from servelm.planner.shapes import KV_BYTES, WEIGHT_BYTES, ShapeError
+from servelm.sim.config import POLICIES, SimConfig, resolve
+from servelm.sim.profiles import load_profile
+from servelm.sim.sweep import replicas_for_rate, run_sweep, search_capacity
+
+DEFAULT_MODEL = "llama-3.1-8b"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    dep = parser.add_argument_group("deployment")
+    dep.add_argument("--model", help=f"catalog name or folder (default {DEFAULT_MODEL}, or the "
+                     "model a --profile was calibrated with)")  # fmt: skip
+    dep.add_argument("--gpu", default="h100-80gb", help=f"one of {', '.join(GPUS)}")
+    dep.add_argument("--profile", help="device profile JSON (from --calibrate) instead of --gpu")
+    dep.add_argument("--dtype", default="bf16", choices=sorted(WEIGHT_BYTES))
+    dep.add_argument("--kv-dtype", default="bf16", choices=sorted(KV_BYTES))
+    dep.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs per replica")
+    dep.add_argument("--replicas", type=int, default=1)
+    dep.add_argument("--policy", choices=POLICIES, default="round-robin", help="routing")
+    dep.add_argument("--num-blocks", type=int, help="KV blocks per replica (default: planner)")
+    dep.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    dep.add_argument("--allowance-gb", type=float, default=2.0)
+    dep.add_argument("--kv-cache-gb", type=float, help="KV pool per replica (measured profiles)")
+    dep.add_argument("--block-size", type=int, default=16)
+    dep.add_argument("--max-num-seqs", type=int, default=256)
+    dep.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    dep.add_argument("--max-model-len", type=int)
+    dep.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
+    dep.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
+    dep.add_argument("--per-request-us", type=float,
+                     help="host time per scheduled request per step (default: 20 on a GPU)")  # fmt: skip
+
+    work = parser.add_argument_group("workload (as servelm bench)")
+    work.add_argument("--preset", "--workload", dest="preset", choices=sorted(PRESETS),
+                      default="chat", help="chat 500/250, rag 6000/250, shared-prefix")  # fmt: skip
+    work.add_argument("--input-len", type=int)
+    work.add_argument("--output-len", type=int)
+    work.add_argument("--prefix-len", type=int)
+    work.add_argument("--len-dist", choices=LENGTH_DISTS, default="fixed")
+    work.add_argument("--len-spread", type=float, default=0.5)
+    work.add_argument("--seed", type=int, default=0)
+
+    load = parser.add_argument_group("load")
+    levels = load.add_mutually_exclusive_group()
+    levels.add_argument("--rate", type=float, help="requests/s (Poisson; see --burstiness)")
+    levels.add_argument("--sweep-rate", help="comma list of rates, e.g. 2,4,8,16")
+    load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
+    load.add_argument("--num-requests", type=int, default=2000, help="per level")
+    load.add_argument("--find-capacity", action="store_true", help="bisect for the capacity")
+    load.add_argument("--target-rate", type=float, help="report replicas needed for this rate")
+
+    rep = parser.add_argument_group("report")
+    rep.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="0 = no TTFT limit")
+    rep.add_argument("--slo-tpot-ms", type=float, default=0.0, help="0 = no TPOT limit")
+    rep.add_argument("--slo-threshold", type=float, default=0.99,
+                     help="share of requests within the SLO (0.99: TTFT p99 under the SLO)")  # fmt: skip
+    rep.add_argument("--record-itl", action="store_true", help="keep every inter-token gap")
+    rep.add_argument("--out", help="write results as JSON (servelm bench schema)")
+    rep.add_argument("--plot", help="write PNG plots into this folder (servelm bench plots)")
+
+    cal = parser.add_argument_group("calibration (times the real engine on this machine)")
+    cal.add_argument("--calibrate", action="store_true", help="fit a profile to this CPU")
+    cal.add_argument("--profile-out", default="cpu_profile.json")
+    cal.add_argument("--calibrate-seconds", type=float, default=45.0)
+    cal.add_argument("--calibrate-model", help="model folder to time (default: default model)")
+
+
+def config_from_args(args: argparse.Namespace, profile_model: str | None = None) -> SimConfig:
+    """A SimConfig from parsed arguments (the profile, if any, already loaded into args)."""
+    workload = WorkloadSpec.from_preset(
+        args.preset,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        prefix_len=args.prefix_len,
+        len_dist=args.len_dist,
+        len_spread=args.len_spread,
+    )
+    per_request = None if args.per_request_us is None else args.per_request_us * 1e-6
+    return SimConfig(
+        model=args.model or profile_model or DEFAULT_MODEL,
+        gpu=args.gpu,
+        profile=getattr(args, "loaded_profile", None),
+        dtype=args.dtype,
+        kv_dtype=args.kv_dtype,
+        tp=args.tp,
+        replicas=args.replicas,
+        policy=args.policy,
+        num_blocks=args.num_blocks,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        allowance_gb=args.allowance_gb,
+        kv_cache_gb=args.kv_cache_gb,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=args.prefix_caching,
+        scheduling_policy=args.scheduling_policy,
+        per_request_s=per_request,
+        workload=workload,
+        num_requests=args.num_requests,
+        seed=args.seed,
+        record_itl=args.record_itl,
+        slo=SLO(ttft_ms=args.slo_ttft_ms or None, tpot_ms=args.slo_tpot_ms or None),
+        capacity_threshold=args.slo_threshold,
+    )
+
+
+def loads_from_args(args: argparse.Namespace) -> list[Load]:
+    if args.sweep_rate:
+        rates = [float(r) for r in args.sweep_rate.split(",") if r.strip()]
+        if not rates:
+            raise ValueError(f"empty --sweep-rate {args.sweep_rate!r}")
+    else:
+        rates = [args.rate] if args.rate is not None else []
+    return [Load(rate=r, burstiness=args.burstiness) for r in rates]
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console()
+    try:
+        profile_model = _profile_from_args(args, console)
+        if args.calibrate and not (args.rate or args.sweep_rate or args.find_capacity):
+            return 0
+        config = config_from_args(args, profile_model)
+        deployment = resolve(config)
+        loads = loads_from_args(args)
+    except (ValueError, ShapeError, OSError) as exc:
+        console.print(f"servelm simulate: {exc}", style="red", markup=False, highlight=False)
+        return 2
+    c = deployment.scheduler
+    console.print(
+        f"{config.replicas} x {deployment.shape.name} on {deployment.profile.name}: "
+        f"{c.num_blocks:,} KV blocks ({c.num_blocks * c.block_size:,} tokens) per replica, "
+        f"max {c.max_num_seqs} seqs, {c.max_num_batched_tokens} tokens per step",
+        highlight=False,
+    )
+    if not loads and not args.target_rate:
+        args.find_capacity = True
+    if loads:
+        result = run_sweep(config, loads)
+        _print_result(result, console)
+        if args.out:
+            result.write_json(args.out)
+            console.print(f"wrote {args.out}", highlight=False)
+        if args.plot:
+            from servelm.bench.plots import plot_results  # matplotlib is slow to import
+
+            for path in plot_results([result.to_dict()], args.plot, ["simulated"]):
+                console.print(f"wrote {path}", highlight=False)
+    per_replica = None
+    if args.find_capacity or args.target_rate:
+        found = search_capacity(config.with_(replicas=1), burstiness=args.burstiness)
+        per_replica = found.rate
+        console.print(f"capacity of one replica: [bold]{found.rate:.2f} req/s[/] ({_slo(config)})")
+        if config.replicas > 1 and args.find_capacity:
+            fleet = config.with_(num_requests=config.num_requests * config.replicas)
+            total = search_capacity(fleet, start=found.rate, burstiness=args.burstiness).rate
+            console.print(f"capacity of {config.replicas} replicas ({config.policy}): {total:.2f}")
+    if args.target_rate:
+        n, attained = replicas_for_rate(config, args.target_rate, per_replica)
+        console.print(
+            f"replicas for {args.target_rate:g} req/s: [bold]{n}[/] "
+            f"({attained:.1%} of requests within the SLO; {math.ceil(args.target_rate / per_replica) if per_replica else '-'} "
+            f"by capacity arithmetic)"
+        )
+    return 0
+
+
+def _profile_from_args(args: argparse.Namespace, console: Console) -> str | None:
+    """Calibrate or load a profile into `args.loaded_profile`; return its model, if any."""
+    if args.calibrate:
+        from servelm.sim.calibrate import calibrate  # torch: only when asked
+
+        console.print(f"calibrating for up to {args.calibrate_seconds:g} s (plus model load)...")
+        cal = calibrate(args.calibrate_model, budget_s=args.calibrate_seconds)
+        cal.profile_file.write(args.profile_out)
+        p = cal.profile_file.profile
+        console.print(
+            f"fitted {p.peak_flops / 1e9:.1f} GFLOP/s, {p.mem_bandwidth / 1e9:.2f} GB/s, "
+            f"{p.step_overhead_s * 1e3:.1f} ms per step, {p.per_request_s * 1e3:.2f} ms per "
+            f"request; held-out errors "
+            + ", ".join(f"{e:+.0%}" for e in cal.held_out_errors)
+            + f"; wrote {args.profile_out}",
+            highlight=False,
+        )
+        args.loaded_profile = p
+        return cal.profile_file.model
+    if args.profile:
+        loaded = load_profile(args.profile)
+        args.loaded_profile = loaded.profile
+        return loaded.model
+    return None
+
+
+def _slo(config: SimConfig) -> str:
+    parts = []
+    if config.slo.ttft_ms is not None:
+        parts.append(f"TTFT <= {config.slo.ttft_ms:g} ms")
+    if config.slo.tpot_ms is not None:
+        parts.append(f"TPOT <= {config.slo.tpot_ms:g} ms")
+    return f"{' and '.join(parts) or 'no SLO'} for {config.capacity_threshold:.0%} of requests"
+
+
+def _print_result(result: BenchResult, console: Console) -> None:
+    table = summary_table(result)
+    table.title = f"servelm simulate · {result.config.get('model')}"
+    console.print(table)
+    server = server_table(result)
+    if server is not None:
+        server.title = "simulated engine (peaks over each level)"
+        console.print(server)
+    if len(result.runs) > 1:
+        cap = result.capacity
+        if cap is None:
+            console.print("capacity at SLO: none (the lowest rate misses it)")
+        else:
+            label = Load.from_dict(cap["load"]).label()
+            console.print(f"capacity at SLO among the swept rates: [bold]{label}[/]")

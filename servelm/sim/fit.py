@@ -1,0 +1,139 @@
+"""Fitting a DeviceProfile to timed steps: nonnegative least squares on the roofline's terms.
+
+The roofline prices a step as
+
+    t = max(a x FLOPs, b x bytes) + c + d x requests      a = 1/FLOP/s, b = 1/(bytes/s)
+
+which is linear in (a, b, c, d) once each point's bound (compute or memory) is fixed. The fit
+alternates: assign each point the bound the current estimate gives it, solve the weighted
+nonnegative least squares for (a, b, c, d), repeat until the assignment stops changing. Weights
+are 1/t, so the error minimised is relative (a 50 ms step matters as much as a 2 s one).
+Starting points: the additive model (a FLOPs + b bytes), all compute-bound, all memory-bound;
+the best final fit wins. FLOPs and bytes come from `roofline.step_cost` itself, so the fit and
+the simulator can never disagree on what a step costs.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from servelm.sim.executor import StepComposition
+from servelm.sim.roofline import DeviceProfile, ModelCost, measured_profile, step_cost, step_time
+
+_UNIT = measured_profile(1.0, 1.0)  # with unit rates, compute_s = FLOPs and memory_s = bytes
+_HUGE_RATE = 1e30  # a rate the fit found never binds
+
+
+@dataclass(frozen=True)
+class TimedStep:
+    """One measured engine step: what it computed and how long it took (seconds)."""
+
+    step: StepComposition
+    seconds: float
+    label: str = ""
+
+
+def nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """argmin |a x - y| subject to x >= 0, exactly, by trying every support (few columns)."""
+    cols = a.shape[1]
+    best, best_err = np.zeros(cols), float(np.sum(y * y))
+    for k in range(1, cols + 1):
+        for support in itertools.combinations(range(cols), k):
+            sub = a[:, support]
+            x, *_ = np.linalg.lstsq(sub, y, rcond=None)
+            if np.any(x < 0):
+                continue
+            err = float(np.sum((sub @ x - y) ** 2))
+            if err < best_err:
+                best_err = err
+                best = np.zeros(cols)
+                best[list(support)] = x
+    return best
+
+
+def _terms(points: Sequence[TimedStep], cost: ModelCost) -> tuple[np.ndarray, ...]:
+    flops, nbytes, reqs, secs = [], [], [], []
+    for p in points:
+        s = p.step
+        c = step_cost(
+            _UNIT,
+            cost,
+            s.prefill_tokens,
+            s.decode_tokens,
+            s.context_tokens_read,
+            s.attention_pairs,
+            s.sampled_tokens,
+        )
+        flops.append(c.flops)
+        nbytes.append(c.bytes)
+        reqs.append(s.num_requests)
+        secs.append(p.seconds)
+    return tuple(np.asarray(v, dtype=float) for v in (flops, nbytes, reqs, secs))
+
+
+def fit_profile(
+    points: Sequence[TimedStep], cost: ModelCost, name: str = "cpu (fitted)"
+) -> DeviceProfile:
+    """The measured profile whose roofline best matches `points` (relative least squares)."""
+    if len(points) < 4:
+        raise ValueError(f"need at least 4 timed steps to fit 4 terms, got {len(points)}")
+    flops, nbytes, reqs, t = _terms(points, cost)
+    w = 1.0 / t
+    ones = np.ones_like(t)
+
+    def solve(compute: np.ndarray) -> np.ndarray:
+        a = np.column_stack([flops * compute, nbytes * ~compute, ones, reqs]) * w[:, None]
+        return nnls(a, t * w)
+
+    def rel_error(x: np.ndarray) -> float:
+        pred = np.maximum(x[0] * flops, x[1] * nbytes) + x[2] + x[3] * reqs
+        return float(np.sqrt(np.mean(((pred - t) / t) ** 2)))
+
+    additive = nnls(np.column_stack([flops, nbytes, ones, reqs]) * w[:, None], t * w)
+    starts = [additive[0] * flops >= additive[1] * nbytes, np.ones(len(t), bool)]
+    starts.append(np.zeros(len(t), bool))
+    best, best_err = additive, np.inf
+    for compute in starts:
+        x = solve(compute)
+        for _ in range(50):
+            bound = x[0] * flops >= x[1] * nbytes
+            if np.array_equal(bound, compute):
+                break
+            compute = bound
+            x = solve(compute)
+        err = rel_error(x)
+        if err < best_err:
+            best, best_err = x, err
+    a, b, c, d = (float(v) for v in best)
+    return measured_profile(
+        flops=1.0 / a if a > 0 else _HUGE_RATE,
+        bandwidth=1.0 / b if b > 0 else _HUGE_RATE,
+        step_overhead_s=c,
+        name=name,
+        per_request_s=d,
+    )
+
+
+def predict(profile: DeviceProfile, cost: ModelCost, step: StepComposition) -> float:
+    """The simulator's time for a step of this composition."""
+    return step_time(
+        profile,
+        cost,
+        step.prefill_tokens,
+        step.decode_tokens,
+        step.context_tokens_read,
+        step.attention_pairs,
+        step.sampled_tokens,
+        step.num_requests,
+    )
+
+
+def relative_errors(
+    profile: DeviceProfile, cost: ModelCost, points: Sequence[TimedStep]
+) -> list[float]:
+    """(predicted - measured) / measured for each point."""
+    return [(predict(profile, cost, p.step) - p.seconds) / p.seconds for p in points]

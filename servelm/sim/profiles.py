@@ -1,0 +1,57 @@
+"""Device profiles on disk: the JSON `servelm simulate --calibrate` writes and `--profile` reads.
+
+    {"schema": "servelm.sim.profile/1",
+     "profile": {DeviceProfile fields},          # rates in the cost model's units (see below)
+     "model": "/path/or/catalog name",           # the model the fit was measured with
+     "fit": {...}}                               # how well it fitted (points, errors)
+
+Fitted rates are only meaningful with the cost model they were fitted against
+(`ModelCost.from_shape(shape, "bf16", "bf16")`): a CPU running float32 weights moves twice the
+bytes the cost model counts, and the fitted bandwidth absorbs that factor.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from servelm.sim.roofline import DeviceProfile
+
+SCHEMA = "servelm.sim.profile/1"
+
+
+@dataclass
+class ProfileFile:
+    """A saved profile, the model it was measured with, and the fit's report."""
+
+    profile: DeviceProfile
+    model: str | None = None
+    fit: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "profile": asdict(self.profile),
+            "model": self.model,
+            "fit": self.fit,
+        }
+
+    def write(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+
+def load_profile(path: str | Path) -> ProfileFile:
+    """Read a profile JSON written by `ProfileFile.write`; ValueError on another kind of file."""
+    data = json.loads(Path(path).read_text())
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        raise ValueError(f"{path}: not a {SCHEMA} file")
+    known = {f.name for f in fields(DeviceProfile)}
+    raw = data.get("profile") or {}
+    missing = {"name", "peak_flops", "mem_bandwidth"} - raw.keys()
+    if missing:
+        raise ValueError(f"{path}: profile lacks {sorted(missing)}")
+    defaults = {"compute_efficiency": 1.0, "bandwidth_efficiency": 1.0, "step_overhead_s": 0.0}
+    profile = DeviceProfile(**{**defaults, **{k: v for k, v in raw.items() if k in known}})
+    return ProfileFile(profile, data.get("model"), data.get("fit") or {})

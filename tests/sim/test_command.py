@@ -1,0 +1,52 @@
+"""`servelm simulate` end to end: sweep, JSON in the bench schema, plots, profile files."""
+
+import json
+
+import pytest
+
+from servelm.bench.results import load_results
+from servelm.cli import main
+from servelm.sim.profiles import ProfileFile, load_profile
+from servelm.sim.roofline import measured_profile
+
+
+def test_sweep_writes_bench_schema_and_plots(tmp_path, capsys):
+    out, plots = tmp_path / "sim.json", tmp_path / "plots"
+    code = main(
+        ["simulate", "--preset", "chat", "--sweep-rate", "2,40", "--num-requests", "150",
+         "--max-num-seqs", "16", "--out", str(out), "--plot", str(plots)]
+    )  # fmt: skip
+    assert code == 0
+    data = load_results(out)  # the bench reader accepts it
+    assert [run["load"]["rate"] for run in data["runs"]] == [2.0, 40.0]
+    low, high = (run["summary"] for run in data["runs"])
+    assert low["completed"] == 150 and low["ttft_ms"]["p50"] < high["ttft_ms"]["p50"]
+    assert data["capacity"]["load"]["rate"] == 2.0  # 16 sequences at a time cannot take 40/s
+    assert data["config"]["model"] == "llama-3.1-8b" and data["config"]["num_blocks"] > 20000
+    assert data["runs"][0]["requests"][0]["ttft_s"] > 0
+    assert sorted(p.name for p in plots.iterdir()) == [
+        "latency_cdf.png", "latency_vs_load.png", "throughput_vs_load.png"
+    ]  # fmt: skip
+    assert "servelm simulate" in capsys.readouterr().out
+
+
+def test_profile_file_round_trip_and_use(tmp_path, capsys):
+    path = tmp_path / "cpu.json"
+    profile = measured_profile(60e9, 8e9, step_overhead_s=0.05, per_request_s=0.002)
+    ProfileFile(profile, "smollm2-135m", {"note": "made up"}).write(path)
+    loaded = load_profile(path)
+    assert loaded.profile == profile and loaded.model == "smollm2-135m"
+    code = main(["simulate", "--profile", str(path), "--rate", "0.5", "--num-requests", "5",
+                 "--output-len", "8", "--input-len", "64"])  # fmt: skip
+    assert code == 0
+    assert "smollm2-135m" in capsys.readouterr().out
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"schema": "other"}))
+    with pytest.raises(ValueError):
+        load_profile(bad)
+    assert main(["simulate", "--profile", str(bad)]) == 2
+
+
+def test_bad_arguments_exit_2():
+    assert main(["simulate", "--model", "no-such-model", "--rate", "1"]) == 2
+    assert main(["simulate", "--gpu", "no-such-gpu", "--rate", "1"]) == 2

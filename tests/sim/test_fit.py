@@ -1,0 +1,47 @@
+"""Profile fitting: exact NNLS, and recovering a known profile from its own step times."""
+
+import numpy as np
+import pytest
+
+from servelm.planner.catalog import get_model
+from servelm.sim.executor import StepComposition
+from servelm.sim.fit import TimedStep, fit_profile, nnls, predict, relative_errors
+from servelm.sim.roofline import ModelCost, measured_profile, pairs_for_request
+
+COST = ModelCost.from_shape(get_model("smollm2-135m"))
+
+
+def test_nnls_clips_negative_directions():
+    a = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    assert nnls(a, np.array([2.0, 3.0, 5.0])) == pytest.approx([2.0, 3.0])
+    assert nnls(a, np.array([2.0, -3.0, -1.0])) == pytest.approx([0.5, 0.0])
+
+
+def steps() -> list[StepComposition]:
+    out = [
+        StepComposition(n, 0, 0, pairs_for_request(n, 0), 1, 1) for n in (64, 128, 256, 512, 1024)
+    ]
+    for batch, ctx in ((1, 128), (4, 512), (8, 256), (16, 1024), (32, 256), (64, 2048)):
+        out.append(StepComposition(0, batch, batch * ctx, batch * (ctx + 1), batch, batch))
+    return out
+
+
+def test_recovers_a_known_profile():
+    truth = measured_profile(80e9, 3e9, step_overhead_s=0.02, per_request_s=0.004)
+    points = [TimedStep(s, predict(truth, COST, s)) for s in steps()]
+    fitted = fit_profile(points, COST)
+    assert max(abs(e) for e in relative_errors(fitted, COST, points)) < 1e-6
+    assert fitted.peak_flops == pytest.approx(80e9, rel=1e-3)
+    assert fitted.step_overhead_s == pytest.approx(0.02, rel=1e-3)
+
+
+def test_noisy_points_fit_within_noise():
+    truth = measured_profile(50e9, 10e9, step_overhead_s=0.3, per_request_s=0.02)
+    rng = np.random.default_rng(0)
+    points = [
+        TimedStep(s, predict(truth, COST, s) * (1 + rng.uniform(-0.05, 0.05))) for s in steps()
+    ]
+    fitted = fit_profile(points, COST)
+    assert max(abs(e) for e in relative_errors(fitted, COST, points)) < 0.12
+    with pytest.raises(ValueError):
+        fit_profile(points[:3], COST)
