@@ -9,6 +9,7 @@ therefore take effect within one step.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 
@@ -36,6 +37,10 @@ def run_engine_core(
 
         t0 = time.perf_counter()
         core, info = create_engine_core(args)
+        # Everything allocated so far (model, tokenizer tables) lives as long as the process:
+        # keep it out of the garbage collector's generations so collections stay short.
+        gc.collect()
+        gc.freeze()
         outputs.send(
             encode(
                 "ready",

@@ -151,19 +151,17 @@ class Scheduler:
         return out
 
     def _describe(self, request: Request, num_new: int) -> ScheduledRequest:
-        # Runs once per request per step: positional arguments, in field order.
         start = request.num_computed_tokens
-        rid = request.request_id
         return ScheduledRequest(
-            rid,  # request_id
-            request.token_ids_slice(start, start + num_new),  # token_ids
-            start,  # num_computed_tokens
-            self.kv.block_ids(rid),  # block_ids
-            request.sampling_params,
-            start + num_new == request.num_tokens,  # sample
-            request.prompt_token_ids,
-            request.output_token_ids,
-            request.eos_token_ids,
+            request_id=request.request_id,
+            token_ids=request.token_ids_slice(start, start + num_new),
+            num_computed_tokens=start,
+            block_ids=self.kv.block_ids(request.request_id),
+            sampling_params=request.sampling_params,
+            sample=start + num_new == request.num_tokens,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+            eos_token_ids=request.eos_token_ids,
         )
 
     def _pick_victim(self) -> Request:
@@ -198,12 +196,10 @@ class Scheduler:
             request.output_token_ids.append(token)
             status = self._check_stop(request, token)
             out = EngineCoreOutput(
-                rid,  # request_id
-                [token],  # new_token_ids
-                None,  # finish_reason, set below
-                None,  # stop_token_id, set below
-                len(request.prompt_token_ids),  # num_prompt_tokens
-                request.num_cached_tokens,
+                request_id=rid,
+                new_token_ids=[token],
+                num_prompt_tokens=len(request.prompt_token_ids),
+                num_cached_tokens=request.num_cached_tokens,
             )
             if len(request.output_token_ids) == 1 and request.scheduled_time is not None:
                 out.queued_time = max(0.0, request.scheduled_time - request.arrival_time)
