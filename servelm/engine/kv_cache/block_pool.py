@@ -24,22 +24,19 @@ ROOT_HASH: BlockHash = b""
 
 
 def hash_block_tokens(parent_hash: BlockHash, token_ids: Sequence[int]) -> BlockHash:
-    """The chained hash of a full block: depends on every token before it, not only its own.
+    """The chained hash of one full block: depends on every token before it, not only its own.
 
     A deterministic digest (not Python's salted `hash`) so another process, such as a
     prefix-aware router, can compute the same value.
     """
-    h = hashlib.blake2b(parent_hash, digest_size=16)
-    h.update(array("i", token_ids).tobytes())
-    return h.digest()
+    return hash_block_chain(parent_hash, token_ids, len(token_ids))[0]
 
 
 def hash_block_chain(
     parent_hash: BlockHash, token_ids: Sequence[int], block_size: int
 ) -> list[BlockHash]:
-    """`hash_block_tokens` over each full block of `token_ids` in turn, chained from
-    `parent_hash` (a partial tail is ignored). The same values as calling it block by block;
-    the ids become bytes once instead of once per block."""
+    """The chained hashes of each full block of `token_ids`, starting from `parent_hash`
+    (a partial tail is ignored). The ids become bytes once, not once per block."""
     ids = array("i", token_ids)
     raw = memoryview(ids.tobytes())
     width = block_size * ids.itemsize  # bytes per block
