@@ -1,0 +1,269 @@
+"""Calibrated simulator vs the real server on this machine: TTFT p50 and TPOT p50 per rate.
+
+    .venv/bin/python benchmarks/sim_vs_bench.py                 # writes docs/planning/
+    .venv/bin/python benchmarks/sim_vs_bench.py --profile docs/planning/cpu_profile.json
+
+1. `servelm simulate --calibrate` times the real engine in-process and fits a CPU profile
+   (skipped with --profile).
+2. `servelm serve` starts the default model on a free loopback port with the same torch thread
+   count the calibration used (the engine default: all cores but one).
+3. Three Poisson rates are picked ONCE from the simulator's capacity for that profile (requests/s
+   at which p90 TTFT stays under --capacity-slo-ttft-ms): light, medium and near capacity.
+4. `servelm bench` measures the server at those rates; `servelm simulate --profile` simulates
+   the same workload, rates, request counts and engine settings (KV blocks read from the
+   server's /metrics, max-num-seqs, max-num-batched-tokens, block size, prefix caching, one
+   replica).
+5. Prints rate | real/sim TTFT p50 | error | real/sim TPOT p50 | error, writes
+   sim_vs_bench.json, bench.json, sim.json and overlay plots (servelm bench's plot function
+   with both result files) into --out-dir.
+
+Nothing is tuned per rate: one calibration, one set of engine settings, three rates.
+Prefix caching is off on both sides: bench prompts are random, so it would not hit anyway,
+and turning it off removes one difference between the two engines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # for tests/live_server.py
+
+from tests.live_server import LiveServer  # noqa: E402
+
+SERVELM = [sys.executable, "-m", "servelm.cli"]
+TOLERANCE = 0.25
+
+
+def sh(cmd: list[str], log: Path) -> str:
+    """Run a servelm command, tee its output into `log`, return stdout; raise on failure."""
+    print("$", " ".join(cmd[2:] if cmd[:2] == SERVELM[:2] else cmd), flush=True)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
+    with log.open("a") as f:
+        f.write(f"$ {' '.join(cmd)}\n{proc.stdout}{proc.stderr}\n")
+    print(f"  ({time.perf_counter() - t0:.0f} s, exit {proc.returncode})", flush=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{cmd} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+    return proc.stdout
+
+
+def server_num_blocks(server: LiveServer) -> int:
+    for key, value in server.metrics().items():
+        m = re.search(r"cache_config_info\{.*num_gpu_blocks=(\d+)", key)
+        if m and value:
+            return int(m.group(1))
+    raise RuntimeError("server /metrics has no cache_config_info with num_gpu_blocks")
+
+
+def p50(run: dict, metric: str) -> float | None:
+    return (run["summary"].get(metric) or {}).get("p50")
+
+
+def error(sim: float | None, real: float | None) -> float | None:
+    return None if sim is None or not real else (sim - real) / real
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--out-dir", default=str(ROOT / "docs" / "planning"))
+    ap.add_argument("--profile", help="use this calibrated profile instead of calibrating")
+    ap.add_argument("--calibrate-seconds", type=float, default=60.0)
+    ap.add_argument(
+        "--calibrate-clock",
+        choices=("cpu", "wall"),
+        default="cpu",
+        help="cpu: `servelm simulate --calibrate` (CPU time / threads, the CLI's only mode);\n"
+        "wall: servelm.sim.calibrate.calibrate(clock='wall') in-process, which counts the\n"
+        "time other processes hold the cores, as the real server experiences it",
+    )
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--num-requests", type=int, default=32, help="per rate")
+    ap.add_argument("--warmup", type=int, default=2, help="uncounted bench requests per rate")
+    ap.add_argument("--rates", help="comma list; default: 0.25, 0.55, 0.85 x simulated capacity")
+    ap.add_argument("--fractions", default="0.25,0.55,0.85", help="of the simulated capacity")
+    ap.add_argument("--capacity-slo-ttft-ms", type=float, default=1000.0)
+    ap.add_argument("--max-num-seqs", type=int, default=64)  # servelm serve's default
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--num-threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
+                    help="server torch threads; must match calibration (engine default)")  # fmt: skip
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    from servelm.store.default import ensure_default_model
+
+    t_start = time.perf_counter()
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "sim_vs_bench.log"
+    log.write_text("")
+    model_dir = ensure_default_model()
+
+    # 1. calibrate (the in-process engine uses the engine's default thread count, cores - 1)
+    if args.profile:
+        profile = Path(args.profile)
+    else:
+        profile = out / "cpu_profile.json"
+        if args.calibrate_clock == "cpu":
+            sh([*SERVELM, "simulate", "--calibrate", "--profile-out", str(profile),
+                "--calibrate-seconds", f"{args.calibrate_seconds:g}"], log)  # fmt: skip
+        else:
+            code = (
+                "import sys; from servelm.sim.calibrate import calibrate; "
+                "c = calibrate(None, budget_s=float(sys.argv[2]), clock='wall'); "
+                "c.profile_file.write(sys.argv[1]); print(c.profile_file.profile)"
+            )
+            sh([sys.executable, "-c", code, str(profile), f"{args.calibrate_seconds:g}"], log)
+    fit = json.loads(profile.read_text())
+    cal_threads = fit.get("fit", {}).get("torch_threads")
+    if cal_threads is not None and cal_threads != args.num_threads:
+        print(f"warning: calibration used {cal_threads} torch threads, server {args.num_threads}")
+    t_cal = time.perf_counter()
+
+    workload = ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
+    engine = ["--max-num-seqs", str(args.max_num_seqs),
+              "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+              "--block-size", str(args.block_size)]  # fmt: skip
+
+    # 2. the real server
+    server = LiveServer(
+        model_dir, *engine, "--num-threads", str(args.num_threads), "--no-prefix-caching",
+        "--log-level", "warning", startup_timeout=300,
+    )  # fmt: skip
+    try:
+        num_blocks = server_num_blocks(server)
+        sim_engine = [*engine, "--num-blocks", str(num_blocks), "--no-prefix-caching",
+                      "--replicas", "1", "--profile", str(profile)]  # fmt: skip
+
+        # 3. rates from the simulator's capacity for this profile (one estimate, all rates)
+        if args.rates:
+            rates = [float(r) for r in args.rates.split(",")]
+            capacity = None
+        else:
+            text = sh([*SERVELM, "simulate", *sim_engine, *workload, "--find-capacity",
+                       "--num-requests", "400", "--slo-ttft-ms", f"{args.capacity_slo_ttft_ms:g}",
+                       "--slo-threshold", "0.9"], log)  # fmt: skip
+            m = re.search(r"capacity of one replica: ([\d.]+) req/s", text)
+            if not m:
+                raise RuntimeError(f"no capacity in simulate output:\n{text}")
+            capacity = float(m.group(1))
+            rates = [round(f * capacity, 2) for f in map(float, args.fractions.split(","))]
+        sweep = ",".join(f"{r:g}" for r in rates)
+        print(f"KV blocks {num_blocks}; simulated capacity {capacity} req/s; rates {sweep}")
+
+        # 4a. measure
+        bench_json = out / "bench.json"
+        sh([*SERVELM, "bench", "--base-url", server.url, "--endpoint", "completions",
+            *workload, "--sweep-rate", sweep, "--num-requests", str(args.num_requests),
+            "--warmup", str(args.warmup), "--seed", str(args.seed), "--slo-ttft-ms", "0",
+            "--slo-tpot-ms", "0", "--out", str(bench_json)], log)  # fmt: skip
+    finally:
+        server.stop()
+    t_bench = time.perf_counter()
+
+    # 4b. simulate the same levels
+    sim_json = out / "sim.json"
+    sh([*SERVELM, "simulate", *sim_engine, *workload, "--sweep-rate", sweep,
+        "--num-requests", str(args.num_requests), "--seed", str(args.seed),
+        "--slo-ttft-ms", "0", "--out", str(sim_json)], log)  # fmt: skip
+
+    # 5. compare
+    real = json.loads(bench_json.read_text())
+    sim = json.loads(sim_json.read_text())
+    rows = []
+    for r_run, s_run, rate in zip(real["runs"], sim["runs"], rates, strict=True):
+        row = {"rate": rate}
+        for metric in ("ttft_ms", "tpot_ms"):
+            a, b = p50(r_run, metric), p50(s_run, metric)
+            e = error(b, a)
+            row[metric] = {"real_p50": a, "sim_p50": b, "error": e,
+                           "within_25pct": e is not None and abs(e) <= TOLERANCE}  # fmt: skip
+        row["real_throughput_rps"] = r_run["summary"].get("request_throughput")
+        row["sim_throughput_rps"] = s_run["summary"].get("request_throughput")
+        rows.append(row)
+
+    from servelm.bench.plots import plot_results
+
+    plots = plot_results(
+        [real, sim], out, ["servelm bench (real)", "servelm simulate (calibrated)"]
+    )
+    labels = ("light", "medium", "near capacity")
+    lines = [
+        "| load | rate (req/s) | real TTFT p50 | sim TTFT p50 | error | real TPOT p50 | "
+        "sim TPOT p50 | error |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for i, row in enumerate(rows):
+        t, p = row["ttft_ms"], row["tpot_ms"]
+        lines.append(
+            f"| {labels[i] if len(rows) == 3 else i + 1} | {row['rate']:g} | "
+            f"{_ms(t['real_p50'])} | {_ms(t['sim_p50'])} | {_pct(t['error'])} | "
+            f"{_ms(p['real_p50'])} | {_ms(p['sim_p50'])} | {_pct(p['error'])} |"
+        )
+    table = "\n".join(lines)
+    t_end = time.perf_counter()
+    summary = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{os.cpu_count()}-core CPU",
+        "model": str(model_dir),
+        "profile": str(profile),
+        "calibrate_clock": None if args.profile else args.calibrate_clock,
+        "profile_fit": fit,
+        "workload": {
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "num_requests": args.num_requests,
+            "warmup": args.warmup,
+            "endpoint": "completions",
+        },  # fmt: skip
+        "engine": {
+            "num_blocks": num_blocks,
+            "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "block_size": args.block_size,
+            "num_threads": args.num_threads,
+            "prefix_caching": False,
+            "replicas": 1,
+        },  # fmt: skip
+        "simulated_capacity_rps": capacity,
+        "tolerance": TOLERANCE,
+        "rows": rows,
+        "all_within_tolerance": all(
+            r[m]["within_25pct"] for r in rows for m in ("ttft_ms", "tpot_ms")
+        ),
+        "seconds": {
+            "calibrate": t_cal - t_start,
+            "serve_and_bench": t_bench - t_cal,
+            "simulate_and_report": t_end - t_bench,
+            "total": t_end - t_start,
+        },  # fmt: skip
+        "table_markdown": table,
+        "plots": [p.name for p in plots],
+    }
+    (out / "sim_vs_bench.json").write_text(json.dumps(summary, indent=1) + "\n")
+    (out / "sim_vs_bench.md").write_text(table + "\n")
+    print(table)
+    print(f"within {TOLERANCE:.0%}: {summary['all_within_tolerance']}; "
+          f"total {t_end - t_start:.0f} s; wrote {out}")  # fmt: skip
+    return 0
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f} ms"
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:+.0%}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
