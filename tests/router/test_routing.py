@@ -152,7 +152,7 @@ def test_admin_add_drain_remove_and_replicas_file(
             raw = client.completions.with_raw_response.create(
                 model=MODEL,
                 prompt="drain me",
-                max_tokens=300,
+                max_tokens=3000,  # long enough to still be running when the drain arrives
                 stream=True,
                 extra_body={"ignore_eos": True},
             )

@@ -19,7 +19,7 @@ def doomed_server(tiny_model_dir):
 
 def test_engine_death_ends_streams_and_turns_health_503(doomed_server):
     srv = doomed_server
-    body = {"prompt": [7] * 50, "max_tokens": 450, "ignore_eos": True, "stream": True}
+    body = {"prompt": [7] * 50, "max_tokens": 3000, "ignore_eos": True, "stream": True}
     events = []
     with httpx.stream("POST", srv.base_url + "/completions", json=body, timeout=30) as r:
         for line in r.iter_lines():
