@@ -16,7 +16,7 @@ from servelm.router.replicas import ReplicaState
 from tests.router.conftest import MODEL, Proc, admin_replicas, free_port, router, wait_for
 
 STREAMS = 16
-STREAM_TOKENS = 500
+STREAM_TOKENS = 2000  # long enough that no stream can finish before the kill
 
 
 def in_process_router(urls: list[str]) -> Router:
