@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import time
 
 import zmq
@@ -69,7 +70,11 @@ def run_engine_core(
 def _loop(core, inputs: zmq.Socket, outputs: zmq.Socket) -> None:
     poller = zmq.Poller()
     poller.register(inputs, zmq.POLLIN)
+    parent = os.getppid()
     while True:
+        if os.getppid() != parent:  # the API process is gone (even SIGKILLed): do not linger
+            logger.warning("API process exited; engine core shutting down")
+            return
         busy = core.has_unfinished_requests()
         # Block only when idle; otherwise just drain what is already there.
         events = dict(poller.poll(timeout=0 if busy else 1000))

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
+import signal
 import time
 
 import uvicorn
@@ -50,6 +52,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server, except that SIGTERM / Ctrl-C only start a graceful shutdown.
+
+    uvicorn re-raises the signal once serving ends, which would kill this process before it
+    stops the engine process and before it can exit 0.
+    """
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.handle_exit, sig, None)
+        try:
+            yield
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -86,7 +107,7 @@ async def serve(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=args.shutdown_timeout,
         access_log=False,
     )
-    server = uvicorn.Server(config)
+    server = _Server(config)
     logger.info(
         "engine ready in %.2f s; serving %s at http://%s:%d/v1",
         time.perf_counter() - t0,

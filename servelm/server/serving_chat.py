@@ -129,7 +129,7 @@ class ServingChat(OpenAIServing):
                 if delta.error:
                     yield error_event(500, delta.error)
                     break
-                if not delta.text and not delta.finished:
+                if not delta.text and not delta.finished and not delta.logprobs:
                     continue
                 c: dict[str, Any] = {
                     "index": i,

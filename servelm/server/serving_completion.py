@@ -123,7 +123,7 @@ class ServingCompletion(OpenAIServing):
                 if delta.error:
                     yield error_event(500, delta.error)
                     break
-                if not delta.text and not delta.finished:
+                if not delta.text and not delta.finished and not delta.logprobs:
                     continue
                 c = {
                     "index": i,

@@ -37,3 +37,31 @@ def test_engine_death_ends_streams_and_turns_health_503(doomed_server):
     while srv.proc.poll() is None and time.time() < deadline:
         time.sleep(0.2)
     assert srv.proc.returncode == 1
+
+
+def engine_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_sigterm_exits_zero_and_takes_the_engine_along(tiny_model_dir):
+    srv = LiveServer(tiny_model_dir, "--kv-cache-memory", "4MiB")
+    engine = srv.engine_pid()
+    assert srv.stop(signal.SIGTERM) == 0
+    deadline = time.time() + 5
+    while engine_alive(engine) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not engine_alive(engine)
+
+
+def test_engine_exits_when_the_api_process_is_killed(tiny_model_dir):
+    srv = LiveServer(tiny_model_dir, "--kv-cache-memory", "4MiB")
+    engine = srv.engine_pid()
+    srv.stop(signal.SIGKILL)
+    deadline = time.time() + 5
+    while engine_alive(engine) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not engine_alive(engine)
