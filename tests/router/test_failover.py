@@ -94,23 +94,21 @@ async def kill_during_streams(r: Proc, victim: Proc) -> dict:
     victim.kill()
     killed_at = time.monotonic()
     admin = httpx.AsyncClient(headers={"Authorization": "Bearer admin-secret"})
-    ejected_after = None
-    new_ok = 0
-    for i in range(10):  # new requests keep succeeding, while we watch for the ejection
-        done = await client.completions.create(model=MODEL, prompt=f"new {i}", max_tokens=2)
-        new_ok += done.choices[0].finish_reason is not None
-        states = (await admin.get(r.url + "/admin/replicas")).json()["replicas"]
-        if ejected_after is None and any(
-            x["url"] == victim.url and x["state"] == "ejected" for x in states
-        ):
-            ejected_after = time.monotonic() - killed_at
-    if ejected_after is None:
+
+    async def watch_ejection() -> float | None:  # polled on its own, not behind busy requests
         while time.monotonic() - killed_at < 10:
             states = (await admin.get(r.url + "/admin/replicas")).json()["replicas"]
             if any(x["url"] == victim.url and x["state"] == "ejected" for x in states):
-                ejected_after = time.monotonic() - killed_at
-                break
+                return time.monotonic() - killed_at
             await asyncio.sleep(0.1)
+        return None
+
+    watcher = asyncio.create_task(watch_ejection())
+    new_ok = 0
+    for i in range(10):  # new requests keep succeeding
+        done = await client.completions.create(model=MODEL, prompt=f"new {i}", max_tokens=2)
+        new_ok += done.choices[0].finish_reason is not None
+    ejected_after = await watcher
     victim.start()  # restart on the same port while the other streams finish
     results = await asyncio.wait_for(asyncio.gather(*streams), timeout=180)  # never a hang
     print(json.dumps({"streams_done_after_kill_s": round(time.monotonic() - killed_at, 2)}))
