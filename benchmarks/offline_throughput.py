@@ -15,6 +15,7 @@ import cProfile
 import os
 import pstats
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,38 +29,67 @@ def random_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[li
     return torch.randint(100, vocab_size, (num, length), generator=g).tolist()
 
 
-def run_servelm(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[int, float]:
+@dataclass
+class Timing:
+    """Output tokens, wall seconds and CPU seconds (all threads of this process) of one side."""
+
+    tokens: int
+    wall_s: float
+    cpu_s: float
+
+    @property
+    def tok_per_s(self) -> float:
+        return self.tokens / self.wall_s
+
+    @property
+    def tok_per_cpu_s(self) -> float:
+        return self.tokens / self.cpu_s
+
+    def line(self, name: str) -> str:
+        return (
+            f"{name:<13}: {self.tokens} tokens in {self.wall_s:7.2f} s = {self.tok_per_s:7.1f} "
+            f"output tok/s  ({self.cpu_s:7.2f} CPU s = {self.tok_per_cpu_s:6.1f} tok per CPU s)"
+        )
+
+
+def timed(fn) -> Timing:
+    wall, cpu = time.perf_counter(), time.process_time()
+    tokens = fn()
+    return Timing(tokens, time.perf_counter() - wall, time.process_time() - cpu)
+
+
+def run_servelm(llm: LLM, prompts: list[list[int]], output_len: int) -> Timing:
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    t0 = time.perf_counter()
-    results = llm.generate(prompts, params)
-    elapsed = time.perf_counter() - t0
-    return sum(len(r.outputs[0].token_ids) for r in results), elapsed
+    return timed(lambda: sum(len(r.outputs[0].token_ids) for r in llm.generate(prompts, params)))
 
 
-def run_transformers(model, prompts: list[list[int]], output_len: int) -> tuple[int, float]:
+def run_transformers(model, prompts: list[list[int]], output_len: int) -> Timing:
     model.generation_config.eos_token_id = None  # like ignore_eos: always output_len tokens
-    tokens = 0
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
+
+    def generate(prompt: list[int], max_new_tokens: int) -> int:
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
             out = model.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),
                 do_sample=False,
-                max_new_tokens=output_len,
+                max_new_tokens=max_new_tokens,
                 pad_token_id=0,
             )
-            tokens += out.shape[1] - len(prompt)
-    return tokens, time.perf_counter() - t0
+        return out.shape[1] - len(prompt)
+
+    generate(prompts[0][:16], 2)  # warm-up, as servelm's engine warms up when it starts
+    return timed(lambda: sum(generate(p, output_len) for p in prompts))
 
 
 def print_profile(llm: LLM, prompts: list[list[int]], output_len: int, top: int = 15) -> None:
+    """Profiles a run on fresh prompts (the measured ones would now hit the prefix cache)."""
     profiler = cProfile.Profile()
     profiler.enable()
-    run_servelm(llm, prompts, output_len)
+    timing = run_servelm(llm, prompts, output_len)
     profiler.disable()
-    print(f"\ncProfile of a second servelm run (top {top} by cumulative time):")
+    print(f"\ncProfile of a second servelm run on new prompts (top {top} by cumulative time):")
+    print(timing.line("servelm+prof"))
     pstats.Stats(profiler).sort_stats("cumulative").print_stats(top)
 
 
@@ -80,6 +110,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--hf-requests",
+        type=int,
+        default=None,
+        help="time transformers on only the first N prompts (its one-at-a-time throughput "
+        "does not depend on how many there are; default: all)",
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="also print a cProfile of the servelm run (always done when < 6x)",
@@ -95,25 +132,28 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.num_requests} requests x ({args.input_len} in, {args.output_len} out); "
         f"KV cache {kv_tokens} tokens (batch needs {tokens_needed})"
     )
-    prompts = random_prompts(args.num_requests, args.input_len, llm.info.spec.vocab_size, args.seed)
+    vocab = llm.info.spec.vocab_size
+    prompts = random_prompts(args.num_requests, args.input_len, vocab, args.seed)
 
-    ours_tokens, ours_s = run_servelm(llm, prompts, args.output_len)
-    ours = ours_tokens / ours_s
-    print(f"servelm      : {ours_tokens} tokens in {ours_s:7.2f} s = {ours:8.1f} output tok/s")
+    ours = run_servelm(llm, prompts, args.output_len)
+    print(ours.line("servelm"))
 
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(args.threads)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).eval()
-    hf_tokens, hf_s = run_transformers(model, prompts, args.output_len)
-    hf = hf_tokens / hf_s
-    print(f"transformers : {hf_tokens} tokens in {hf_s:7.2f} s = {hf:8.1f} output tok/s")
-    ratio = ours / hf
-    print(f"ratio servelm / transformers: {ratio:.2f}x")
+    hf = run_transformers(model, prompts[: args.hf_requests], args.output_len)
+    print(hf.line("transformers"))
+    ratio = ours.tok_per_s / hf.tok_per_s
+    print(
+        f"ratio servelm / transformers: {ratio:.2f}x output tok/s "
+        f"({ours.tok_per_cpu_s / hf.tok_per_cpu_s:.2f}x per CPU second)"
+    )
 
     if args.profile or ratio < 6:
         del model
-        print_profile(llm, prompts, args.output_len)
+        fresh = random_prompts(args.num_requests, args.input_len, vocab, args.seed + 1)
+        print_profile(llm, fresh, args.output_len)
 
 
 if __name__ == "__main__":

@@ -106,7 +106,9 @@ class TextTokenizer:
 class IncrementalDetokenizer:
     """Turns tokens into text as they arrive; a piece that ends mid-character waits for the rest.
 
-    The concatenation of every returned piece equals decoding all tokens at once.
+    The concatenation of every returned piece equals decoding all tokens at once, except that
+    bytes at the very end which do not (yet) complete a character stay held back, where a
+    one-shot decode would show them as U+FFFD.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool) -> None:

@@ -84,9 +84,10 @@ def server(tiny_model_dir):
 def reap_orphan(pid: int, timeout_s: float = 10.0) -> None:
     """End the engine-core process if it outlived the server.
 
-    Today it does: uvicorn re-raises the SIGTERM it caught once serving ends, which kills the API
-    process before `serve()` reaches `engine.shutdown()`, so the engine is left running under
-    init (see the bench report). Without this every run of this module would leak one.
+    At the time of writing it does: uvicorn (0.54) re-raises the SIGTERM it caught once serving
+    ends, which kills the API process before `servelm.server.command.serve` reaches
+    `engine.shutdown()`, so the engine is left running under init. Without this every run of
+    this module would leak one. Once that is fixed the process is already gone and this returns.
     """
     deadline = time.monotonic() + timeout_s
     sig = signal.SIGTERM
