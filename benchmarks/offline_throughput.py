@@ -5,7 +5,7 @@ get the same prompts (random token ids), the same dtype, the same number of torc
 greedy decoding with EOS ignored, so every request yields exactly `--output-len` tokens.
 
     python benchmarks/offline_throughput.py --num-requests 32 --input-len 128 --output-len 64
-    python benchmarks/offline_throughput.py --dtype bfloat16 --profile
+    python benchmarks/offline_throughput.py --dtype bfloat16 --repeat 2 --hf-requests 8 --profile
 """
 
 from __future__ import annotations
@@ -88,9 +88,9 @@ def print_profile(llm: LLM, prompts: list[list[int]], output_len: int, top: int 
     profiler.enable()
     timing = run_servelm(llm, prompts, output_len)
     profiler.disable()
-    print(f"\ncProfile of a second servelm run on new prompts (top {top} by cumulative time):")
+    print(f"\ncProfile of one more servelm run, on new prompts (top {top} by own time):")
     print(timing.line("servelm+prof"))
-    pstats.Stats(profiler).sort_stats("cumulative").print_stats(top)
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -117,6 +117,12 @@ def main(argv: list[str] | None = None) -> None:
         "does not depend on how many there are; default: all)",
     )
     parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="rounds of both sides, alternating, on new prompts each; the best round counts",
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="also print a cProfile of the servelm run (always done when < 6x)",
@@ -132,27 +138,35 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.num_requests} requests x ({args.input_len} in, {args.output_len} out); "
         f"KV cache {kv_tokens} tokens (batch needs {tokens_needed})"
     )
-    vocab = llm.info.spec.vocab_size
-    prompts = random_prompts(args.num_requests, args.input_len, vocab, args.seed)
-
-    ours = run_servelm(llm, prompts, args.output_len)
-    print(ours.line("servelm"))
 
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(args.threads)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).eval()
-    hf = run_transformers(model, prompts[: args.hf_requests], args.output_len)
-    print(hf.line("transformers"))
-    ratio = ours.tok_per_s / hf.tok_per_s
+    vocab = llm.info.spec.vocab_size
+
+    # Alternate the two sides, with new prompts each round (old ones would hit the prefix
+    # cache), and keep each side's best round: on a shared machine, the least disturbed one.
+    ours: list[Timing] = []
+    hf: list[Timing] = []
+    for r in range(args.repeat):
+        prompts = random_prompts(args.num_requests, args.input_len, vocab, args.seed + r)
+        ours.append(run_servelm(llm, prompts, args.output_len))
+        print(ours[-1].line("servelm"), flush=True)
+        hf.append(run_transformers(model, prompts[: args.hf_requests], args.output_len))
+        print(hf[-1].line("transformers"), flush=True)
+    ours_best = max(ours, key=lambda t: t.tok_per_s)
+    hf_best = max(hf, key=lambda t: t.tok_per_s)
+    ratio = ours_best.tok_per_s / hf_best.tok_per_s
+    per_cpu = ours_best.tok_per_cpu_s / hf_best.tok_per_cpu_s
     print(
-        f"ratio servelm / transformers: {ratio:.2f}x output tok/s "
-        f"({ours.tok_per_cpu_s / hf.tok_per_cpu_s:.2f}x per CPU second)"
+        f"best of {args.repeat}: servelm {ours_best.tok_per_s:.1f} tok/s, transformers "
+        f"{hf_best.tok_per_s:.1f} tok/s; ratio {ratio:.2f}x ({per_cpu:.2f}x per CPU second)"
     )
 
     if args.profile or ratio < 6:
         del model
-        fresh = random_prompts(args.num_requests, args.input_len, vocab, args.seed + 1)
+        fresh = random_prompts(args.num_requests, args.input_len, vocab, args.seed + args.repeat)
         print_profile(llm, fresh, args.output_len)
 
 
