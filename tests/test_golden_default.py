@@ -101,7 +101,7 @@ def check(llm, reference, prompts: list[list[int]]) -> list[int]:
         agreed.append(assert_close_greedy(comp.token_ids, our_tops(comp), theirs, tops))
     llm.engine.check_integrity()
     assert llm.engine.scheduler.kv.usage() == 0.0
-    print("agreed tokens:", agreed)
+    print("agreed tokens:", agreed, llm.totals)
     return agreed
 
 
