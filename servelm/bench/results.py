@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from servelm.bench.stats import tpot
+from servelm.bench.stats import capacity_at_slo, tpot
 
 SCHEMA = "servelm.bench/1"
 
@@ -188,3 +188,17 @@ def load_results(path: str | Path) -> dict[str, Any]:
     if data.get("schema") != SCHEMA:
         raise ValueError(f"{path}: not a {SCHEMA} result file (schema={data.get('schema')!r})")
     return data
+
+
+def capacity_block(runs: list[RunResult], threshold: float) -> dict[str, Any] | None:
+    """The highest load level whose SLO attainment is at least `threshold` (None if none)."""
+    best = capacity_at_slo([(run.load.value, run.summary["slo_attainment"]) for run in runs], threshold)
+    if best is None:
+        return None
+    run = runs[best]
+    return {
+        "load": run.load.to_dict(),
+        "goodput": run.summary["goodput"],
+        "slo_attainment": run.summary["slo_attainment"],
+        "threshold": threshold,
+    }

@@ -29,9 +29,9 @@ from servelm.bench.client import (
     send_request,
 )
 from servelm.bench.config import BenchConfig
-from servelm.bench.results import BenchResult, Load, RequestRecord, RunResult
+from servelm.bench.results import BenchResult, Load, RequestRecord, RunResult, capacity_block
 from servelm.bench.server_metrics import MetricsWatcher
-from servelm.bench.stats import capacity_at_slo, summarize
+from servelm.bench.stats import summarize
 from servelm.bench.workload import RequestSpec, Workload, build_workload
 
 Send = Callable[[RequestSpec], Awaitable[RequestRecord]]
@@ -94,7 +94,7 @@ async def run_benchmark(
             runs.append(
                 await run_level(client, target, workload, config, load, level, watcher, progress)
             )
-    return BenchResult({**config.to_dict(), "model": model}, runs, capacity(runs, config))
+    return BenchResult({**config.to_dict(), "model": model}, runs, capacity_block(list(runs), config.capacity_threshold))
 
 
 async def run_sweep(
@@ -241,16 +241,3 @@ def inter_arrival(rng: random.Random, rate: float, burstiness: float = 1.0) -> f
     return rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
 
 
-def capacity(runs: list[RunResult], config: BenchConfig) -> dict[str, object] | None:
-    """The highest load level whose SLO attainment is at least the threshold (stats docs)."""
-    levels = [(run.load.value, run.summary["slo_attainment"]) for run in runs]
-    best = capacity_at_slo(levels, config.capacity_threshold)
-    if best is None:
-        return None
-    run = runs[best]
-    return {
-        "load": run.load.to_dict(),
-        "goodput": run.summary["goodput"],
-        "slo_attainment": run.summary["slo_attainment"],
-        "threshold": config.capacity_threshold,
-    }

@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from servelm.bench.results import BenchResult, Load, RequestRecord, RunResult
-from servelm.bench.stats import capacity_at_slo, summarize
+from servelm.bench.results import BenchResult, Load, RequestRecord, RunResult, capacity_block
+from servelm.bench.stats import summarize
 from servelm.sim.config import Deployment, SimConfig, resolve
 from servelm.sim.simulator import LevelOutcome, RequestResult, paused_gc, simulate
 from servelm.sim.workload import build_requests
@@ -109,7 +109,7 @@ def run_sweep(config: SimConfig, loads: Sequence[Load]) -> BenchResult:
     """Simulate each load level in turn (level i draws stream i, as `servelm bench` does)."""
     deployment = resolve(config)
     runs = [run_level(deployment, load, level)[0] for level, load in enumerate(loads)]
-    return BenchResult(sim_config_dict(deployment, loads), runs, capacity(runs, config))
+    return BenchResult(sim_config_dict(deployment, loads), runs, capacity_block(list(runs), config.capacity_threshold))
 
 
 def sim_config_dict(deployment: Deployment, loads: Sequence[Load] = ()) -> dict[str, Any]:
@@ -119,21 +119,6 @@ def sim_config_dict(deployment: Deployment, loads: Sequence[Load] = ()) -> dict[
     data["max_model_len"] = deployment.scheduler.max_model_len
     data["loads"] = [load.to_dict() for load in loads]
     return data
-
-
-def capacity(runs: Sequence[RunResult], config: SimConfig) -> dict[str, Any] | None:
-    """The bench capacity block for a simulated sweep (None if the lowest rate misses)."""
-    levels = [(run.load.value, run.summary["slo_attainment"]) for run in runs]
-    best = capacity_at_slo(levels, config.capacity_threshold)
-    if best is None:
-        return None
-    run = runs[best]
-    return {
-        "load": run.load.to_dict(),
-        "goodput": run.summary["goodput"],
-        "slo_attainment": run.summary["slo_attainment"],
-        "threshold": config.capacity_threshold,
-    }
 
 
 @dataclass(frozen=True)
