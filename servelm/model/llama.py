@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from servelm.model.config import ModelSpec
+from servelm.model.layers.linear import Linear, LogitsHead, pack_linears_for_cpu
 from servelm.model.layers.norm import RMSNorm
 from servelm.model.layers.rotary import RotaryEmbedding
 from servelm.model.loader import PackedShards
@@ -42,10 +43,10 @@ class LlamaAttention(nn.Module):
             spec.head_dim,
         )
         q, kv = spec.q_size, spec.kv_size
-        self.qkv_proj = nn.Linear(spec.hidden_size, q + 2 * kv, bias=spec.attention_bias)
+        self.qkv_proj = Linear(spec.hidden_size, q + 2 * kv, bias=spec.attention_bias)
         shards = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}
         self.qkv_proj.shards = PackedShards(shards)
-        self.o_proj = nn.Linear(q, spec.hidden_size, bias=False)
+        self.o_proj = Linear(q, spec.hidden_size, bias=False)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, attn: PagedAttention
@@ -63,9 +64,9 @@ class LlamaMLP(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         inter = spec.intermediate_size
-        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * inter, bias=False)
+        self.gate_up_proj = Linear(spec.hidden_size, 2 * inter, bias=False)
         self.gate_up_proj.shards = PackedShards({"gate": (0, inter), "up": (inter, inter)})
-        self.down_proj = nn.Linear(inter, spec.hidden_size, bias=False)
+        self.down_proj = Linear(inter, spec.hidden_size, bias=False)
         self.inter = inter
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -111,7 +112,7 @@ class LlamaForCausalLM(nn.Module):
         if spec.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+            self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
 
     def checkpoint_name(self, param_name: str) -> str:
         """Our parameter name as the HF checkpoint spells it (without the fused shard)."""
@@ -127,6 +128,13 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, positions, self.rope, attn)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def prepare_for_inference(self) -> None:
+        """Once the weights are loaded: repack matmul weights where the device gains from it."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        self.logits_head = LogitsHead(weight)
+        if self.lm_head is not None:
+            self.lm_head = None  # the head above holds the weight (packed or not)
+        pack_linears_for_cpu(self)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.logits_head(hidden).float()

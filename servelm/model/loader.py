@@ -128,4 +128,7 @@ def build_model(
             spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling, dtype
         )
     load_weights(model, model_dir)
+    # Counted before repacking, which frees the plain copies of packed weights.
+    model.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    model.prepare_for_inference()
     return model.eval()

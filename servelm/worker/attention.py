@@ -6,8 +6,9 @@ slot is `block_id * block_size + offset`. A request's block table lists its bloc
     block table  [ 7, 2, 9 ]          block_size = 4, context of 10 tokens
     slots        28 29 30 31 | 8 9 10 11 | 36 37
 
-Decode requests (one query token each) are attended together in one padded batch; prefill
-chunks one request at a time with a causal mask offset by the tokens already cached.
+Decode requests (one query token each) are attended together in one padded batch whose K/V is
+read a whole block at a time (one contiguous copy per block, not one per token); prefill chunks
+one request at a time with a causal mask offset by the tokens already cached.
 The slot indices are built once per step (`AttentionMetadata`) and shared by every layer.
 """
 
@@ -32,8 +33,8 @@ class PrefillChunk:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
     decode_rows: torch.Tensor | None  # [Bd] rows of the decode tokens (None: all rows are)
-    decode_slots: torch.Tensor | None  # [Bd, max_ctx] cache slots to read (padded)
-    decode_mask: torch.Tensor | None  # [Bd, 1, 1, max_ctx] True where a slot is real
+    decode_blocks: torch.Tensor | None  # [Bd * max_blocks] block ids to read, padded per row
+    decode_mask: torch.Tensor | None  # [Bd, 1, 1, max_blocks * block_size] True for real tokens
     prefills: list[PrefillChunk]
     all_decode: bool = False
 
@@ -47,7 +48,7 @@ def build_metadata(
     then moved to the device once.
     """
     slot_parts, prefills = [], []
-    decode_rows, decode_slots, decode_lens = [], [], []
+    decode_rows, decode_blocks, decode_lens = [], [], []
     row = 0
     for num_computed, num_new, block_ids in seqs:
         ctx = num_computed + num_new
@@ -58,7 +59,7 @@ def build_metadata(
         slot_parts.append(slots[num_computed:])
         if num_new == 1 and num_computed > 0:
             decode_rows.append(row)
-            decode_slots.append(slots)
+            decode_blocks.append(block_ids[: -(-ctx // block_size)])
             decode_lens.append(ctx)
         else:
             causal = None
@@ -75,15 +76,16 @@ def build_metadata(
         torch.from_numpy(np.concatenate(slot_parts)).to(device), None, None, None, prefills
     )
     if decode_rows:
-        n, max_ctx = len(decode_rows), max(decode_lens)
-        padded = np.zeros((n, max_ctx), dtype=np.int64)
-        for i, slots in enumerate(decode_slots):
-            padded[i, : len(slots)] = slots
+        n, max_blocks = len(decode_rows), max(len(b) for b in decode_blocks)
+        padded = np.zeros((n, max_blocks), dtype=np.int64)
+        for i, blocks in enumerate(decode_blocks):
+            padded[i, : len(blocks)] = blocks
+        max_ctx = max_blocks * block_size
         mask = np.arange(max_ctx)[None, :] < np.asarray(decode_lens)[:, None]
         # When every token is a decode, rows are 0..n-1 and no gather/scatter is needed.
         meta.decode_rows = None if n == row else torch.tensor(decode_rows, device=device)
         meta.all_decode = n == row
-        meta.decode_slots = torch.from_numpy(padded).to(device)
+        meta.decode_blocks = torch.from_numpy(padded.reshape(-1)).to(device)
         meta.decode_mask = torch.from_numpy(mask).view(n, 1, 1, max_ctx).to(device)
     return meta
 
@@ -91,9 +93,12 @@ def build_metadata(
 class TorchPagedAttention:
     """The reference backend: correct on CPU and CUDA, built from index ops and SDPA."""
 
-    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> None:
+    def __init__(
+        self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], scale: float, block_size: int
+    ) -> None:
         self.kv_caches = kv_caches
         self.scale = scale
+        self.block_size = block_size
         self.meta: AttentionMetadata | None = None
 
     def __call__(
@@ -132,8 +137,12 @@ class TorchPagedAttention:
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, gqa: bool) -> torch.Tensor:
         """One query token per request, all requests in one padded SDPA call."""
-        kd = k_cache[meta.decode_slots].transpose(1, 2)  # [Bd, Hkv, ctx, D]
-        vd = v_cache[meta.decode_slots].transpose(1, 2)
+        bd, hkv, d = q.shape[0], k_cache.shape[1], k_cache.shape[2]
+        blocks = (-1, self.block_size, hkv, d)  # the cache seen as whole blocks
+        kd = k_cache.view(blocks).index_select(0, meta.decode_blocks)
+        vd = v_cache.view(blocks).index_select(0, meta.decode_blocks)
+        kd = kd.view(bd, -1, hkv, d).transpose(1, 2)  # [Bd, Hkv, max_blocks * block_size, D]
+        vd = vd.view(bd, -1, hkv, d).transpose(1, 2)
         od = F.scaled_dot_product_attention(
             q.unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=gqa
         )

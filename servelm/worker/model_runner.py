@@ -73,7 +73,7 @@ class ModelRunner:
             torch.set_num_threads(num_threads or max(1, (os.cpu_count() or 2) - 1))
         t0 = time.perf_counter()
         self.model = build_model(model_dir, spec, self.dtype, self.device, max_model_len)
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.weight_bytes = self.model.weight_bytes
         self.load_seconds = time.perf_counter() - t0
         self.attn: TorchPagedAttention | None = None
         self.generators: dict[str, torch.Generator] = {}
@@ -112,7 +112,7 @@ class ModelRunner:
             )
             for _ in range(self.spec.num_layers)
         ]
-        self.attn = TorchPagedAttention(caches, self.spec.head_dim**-0.5)
+        self.attn = TorchPagedAttention(caches, self.spec.head_dim**-0.5, self.block_size)
         self.num_blocks = num_blocks
 
     def _dummy_forward(self, num_tokens: int) -> None:
@@ -131,7 +131,7 @@ class ModelRunner:
             * 2
             for _ in range(self.spec.num_layers)
         ]
-        attn = TorchPagedAttention(scratch, self.spec.head_dim**-0.5)
+        attn = TorchPagedAttention(scratch, self.spec.head_dim**-0.5, self.block_size)
         blocks = list(range(-(-num_tokens // self.block_size)))
         attn.meta = build_metadata([(0, num_tokens, blocks)], self.block_size, self.device)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
