@@ -18,8 +18,9 @@ from servelm.engine.outputs import SchedulerStats
 from servelm.engine.outputs_api import CompletionOutput, RequestOutput
 from servelm.engine.requests import child_requests, default_sampling_params
 from servelm.engine.sampling_params import SamplingParams
+from servelm.store.fetch import resolve_model_dir
 from servelm.text.tokenizer import TextTokenizer
-from servelm.worker.executor import create_engine_core, resolve_model_dir
+from servelm.worker.executor import create_engine_core
 
 logger = logging.getLogger("servelm")
 

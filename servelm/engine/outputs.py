@@ -28,6 +28,38 @@ class ScheduledRequest:
     eos_token_ids: frozenset[int] = frozenset()
 
 
+def scheduled_request(
+    *,
+    request_id: str,
+    token_ids: list[int],
+    num_computed_tokens: int,
+    block_ids: list[int],
+    sampling_params: SamplingParams,
+    sample: bool,
+    prompt_token_ids: list[int],
+    output_token_ids: list[int],
+    eos_token_ids: frozenset[int],
+) -> ScheduledRequest:
+    """`ScheduledRequest(...)` by keyword, at the cost of a positional call.
+
+    The scheduler builds one per request per step. On CPython 3.11 calling a class with keyword
+    arguments packs them into a dict and unpacks it again for `__init__` (about 0.25 us more
+    than positional arguments); calling a function with keywords does not. Same fields, same
+    order (a test checks), so call sites keep their keywords.
+    """
+    return ScheduledRequest(
+        request_id,
+        token_ids,
+        num_computed_tokens,
+        block_ids,
+        sampling_params,
+        sample,
+        prompt_token_ids,
+        output_token_ids,
+        eos_token_ids,
+    )
+
+
 @dataclass
 class SchedulerOutput:
     requests: list[ScheduledRequest]
@@ -73,6 +105,16 @@ class EngineCoreOutput:
     logprobs: list[Logprobs] | None = None
     queued_time: float | None = None  # seconds between arrival and first schedule
     error: str | None = None
+
+
+def new_token_output(
+    *, request_id: str, token_id: int, num_prompt_tokens: int, num_cached_tokens: int
+) -> EngineCoreOutput:
+    """The `EngineCoreOutput` of one new token, by keyword at the cost of a positional call
+    (once per generated token; see `scheduled_request`)."""
+    return EngineCoreOutput(
+        request_id, [token_id], None, None, num_prompt_tokens, num_cached_tokens
+    )
 
 
 @dataclass

@@ -17,9 +17,10 @@ from servelm.engine.kv_cache import KVCacheManager
 from servelm.engine.outputs import (
     EngineCoreOutput,
     ModelRunnerOutput,
-    ScheduledRequest,
     SchedulerOutput,
     SchedulerStats,
+    new_token_output,
+    scheduled_request,
 )
 from servelm.engine.request import Request, RequestStatus
 from servelm.engine.request_queue import make_queue
@@ -137,11 +138,28 @@ class Scheduler:
             scheduled.append((request, num_new))
             budget -= num_new
 
+        # Describe each scheduled request (each appears once), then advance it. Runs once per
+        # request per step, inline rather than through a method call.
         described = []
-        describe = self._describe
-        for request, n in scheduled:  # each request appears once: describe it, then advance it
-            described.append(describe(request, n))
-            request.num_computed_tokens += n
+        block_ids = self.kv.block_ids
+        for request, n in scheduled:
+            start = request.num_computed_tokens
+            end = start + n
+            rid = request.request_id
+            described.append(
+                scheduled_request(
+                    request_id=rid,
+                    token_ids=request.token_ids_slice(start, end),
+                    num_computed_tokens=start,
+                    block_ids=block_ids(rid),
+                    sampling_params=request.sampling_params,
+                    sample=end == request.num_tokens,
+                    prompt_token_ids=request.prompt_token_ids,
+                    output_token_ids=request.output_token_ids,
+                    eos_token_ids=request.eos_token_ids,
+                )
+            )
+            request.num_computed_tokens = end
         out = SchedulerOutput(
             requests=described,
             finished_request_ids=self._finished_ids,
@@ -149,20 +167,6 @@ class Scheduler:
         )
         self._finished_ids = set()
         return out
-
-    def _describe(self, request: Request, num_new: int) -> ScheduledRequest:
-        start = request.num_computed_tokens
-        return ScheduledRequest(
-            request_id=request.request_id,
-            token_ids=request.token_ids_slice(start, start + num_new),
-            num_computed_tokens=start,
-            block_ids=self.kv.block_ids(request.request_id),
-            sampling_params=request.sampling_params,
-            sample=start + num_new == request.num_tokens,
-            prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=request.output_token_ids,
-            eos_token_ids=request.eos_token_ids,
-        )
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
@@ -195,9 +199,9 @@ class Scheduler:
                 continue
             request.output_token_ids.append(token)
             status = self._check_stop(request, token)
-            out = EngineCoreOutput(
+            out = new_token_output(
                 request_id=rid,
-                new_token_ids=[token],
+                token_id=token,
                 num_prompt_tokens=len(request.prompt_token_ids),
                 num_cached_tokens=request.num_cached_tokens,
             )

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from servelm.model.config import ModelSpec
+from servelm.model.layers.embedding import Embedding
 from servelm.model.layers.linear import Linear, LogitsHead, pack_linears_for_cpu
 from servelm.model.layers.norm import RMSNorm
 from servelm.model.layers.rotary import RotaryEmbedding
@@ -97,13 +98,15 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", "up"),
     }
 
-    def __init__(self, spec: ModelSpec, max_positions: int | None = None) -> None:
+    def __init__(
+        self, spec: ModelSpec, max_positions: int | None = None, rope: RotaryEmbedding | None = None
+    ) -> None:
         super().__init__()
         self.spec = spec
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(spec, i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.rope = RotaryEmbedding(
+        self.rope = rope or RotaryEmbedding(
             spec.head_dim,
             max_positions or spec.max_position_embeddings,
             spec.rope_theta,

@@ -93,14 +93,14 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
                         f"{path.name}: tensor {name} has shape {tuple(tensor.shape)}, "
                         f"expected {want} from config.json"
                     )
-                loader(param, tensor.to(param.dtype), shard)
+                loader(param, tensor, shard)  # copy_ converts the dtype
             else:
                 if tensor.shape != param.shape:
                     raise WeightLoadError(
                         f"{path.name}: tensor {name} has shape {tuple(tensor.shape)}, "
                         f"expected {tuple(param.shape)} from config.json"
                     )
-                param.data.copy_(tensor.to(param.dtype))
+                param.data.copy_(tensor)
         loaded.add(name)
 
     missing = sorted(set(expected) - loaded)
@@ -111,6 +111,16 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
         raise WeightLoadError(f"checkpoint in {model_dir} lacks tensors: {shown}")
 
 
+def _allocate_parameters(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Give every meta parameter uninitialised memory (what `to_empty` does, minus the cost of
+    routing each allocation through torch's meta-tensor reference implementations)."""
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None and param.is_meta:
+                empty = torch.empty(param.shape, dtype=dtype, device=device)
+                module._parameters[name] = nn.Parameter(empty, requires_grad=False)
+
+
 def build_model(
     model_dir: str | Path, spec, dtype: torch.dtype, device: torch.device, max_positions: int
 ):
@@ -118,15 +128,14 @@ def build_model(
     from servelm.model.layers.rotary import RotaryEmbedding
     from servelm.model.llama import LlamaForCausalLM
 
+    # The rotary table is computed (in float32, stored in the model dtype), not loaded.
+    rope = RotaryEmbedding(spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling, dtype)
+    # Parameters are made on the meta device (no memory, no initialisation), given their
+    # dtype there, then allocated once on the device and filled from the checkpoint.
     with torch.device("meta"):
-        model = LlamaForCausalLM(spec, max_positions)
-    model.to_empty(device=device)
-    model.to(dtype)
-    # The rotary table is computed (in float32), not loaded.
-    with torch.device(device):
-        model.rope = RotaryEmbedding(
-            spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling, dtype
-        )
+        model = LlamaForCausalLM(spec, max_positions, rope)
+    _allocate_parameters(model, dtype, device)
+    model.rope = rope.to(device)
     load_weights(model, model_dir)
     # Counted before repacking, which frees the plain copies of packed weights.
     model.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

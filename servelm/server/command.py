@@ -83,8 +83,8 @@ async def serve(args: argparse.Namespace) -> int:
     from servelm.server.app import build_app
     from servelm.server.metrics import ServerMetrics
     from servelm.server.serving import ServerState
+    from servelm.store.fetch import resolve_model_dir
     from servelm.text.tokenizer import TextTokenizer
-    from servelm.worker.executor import resolve_model_dir
 
     t0 = time.perf_counter()
     engine_args = EngineArgs.from_cli_args(args)

@@ -68,7 +68,7 @@ class SimExecutor:
         reqs = scheduler_output.requests
         ids = map(_REQUEST_ID, reqs)
         sampled = dict.fromkeys(compress(ids, map(_SAMPLE, reqs)), DUMMY_TOKEN)
-        step = self.last = compose(scheduler_output)
+        step = self.last = compose(scheduler_output, len(sampled))
         if not step.num_requests:
             self.last_step_s = 0.0
             return ModelRunnerOutput(sampled)
@@ -91,18 +91,24 @@ class SimExecutor:
         return ModelRunnerOutput(sampled)
 
 
-def compose(scheduler_output: SchedulerOutput) -> StepComposition:
-    """The step-time inputs of one scheduled step (also used to label real, timed steps)."""
+def compose(scheduler_output: SchedulerOutput, sampled: int | None = None) -> StepComposition:
+    """The step-time inputs of one scheduled step (also used to label real, timed steps).
+
+    `sampled`: how many requests sample a token this step, if the caller already counted them.
+    """
     reqs = scheduler_output.requests
     n = len(reqs)
-    # Runs once per step over every scheduled request: C-level map/sum, no Python loop.
-    news = list(map(len, map(_TOKEN_IDS, reqs)))
-    priors = list(map(_PRIOR, reqs))
-    total_new, context = sum(news), sum(priors)
+    # Runs once per step over every scheduled request: C-level map/sum, no Python loop, and
+    # no per-request lists in the common all-decode step.
+    total_new = sum(map(len, map(_TOKEN_IDS, reqs)))
+    context = sum(map(_PRIOR, reqs))
     if total_new == n:  # every request computes one token: pairs_for_request(1, prior)
         decode, pairs = n, context + n
     else:  # sum of new*prior + new*(new+1)/2, the triangle summed exactly in integers
+        news = list(map(len, map(_TOKEN_IDS, reqs)))
+        priors = list(map(_PRIOR, reqs))
         decode = news.count(1)
         pairs = sum(map(mul, news, priors)) + (sum(map(mul, news, news)) + total_new) // 2
-    sampled = sum(map(_SAMPLE, reqs))
+    if sampled is None:
+        sampled = sum(map(_SAMPLE, reqs))
     return StepComposition(total_new - decode, decode, context, pairs, sampled, n)

@@ -20,6 +20,8 @@ import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from itertools import compress
+from operator import attrgetter
 from typing import Any
 
 from servelm.engine.core import EngineCore
@@ -30,6 +32,8 @@ from servelm.sim.executor import SimExecutor
 from servelm.sim.workload import SimRequest, offered_duration_s
 
 TIMELINE_POINTS = 200  # samples of queue depth and KV usage per replica per level
+_REQUEST_ID = attrgetter("request_id")
+_FINISH_REASON = attrgetter("finish_reason")  # None, or a non-empty reason ("stop", "length")
 
 
 class SimulationError(RuntimeError):
@@ -218,16 +222,23 @@ def _simulate(deployment: Deployment, requests: list[SimRequest]) -> LevelOutcom
         if rep is None:
             break
         end, outputs = rep.step()
-        # Once per generated token: set and attribute checks only.
-        for out in outputs:
-            rid = out.request_id
-            if rid in awaiting_first:
-                awaiting_first.discard(rid)
-                tracks[rid].first_s = end
-            if record_itl:
+        if record_itl:
+            for out in outputs:  # once per generated token
+                rid = out.request_id
+                if rid in awaiting_first:
+                    awaiting_first.discard(rid)
+                    tracks[rid].first_s = end
                 _note_gap(tracks[rid], end)
-            if out.finish_reason is not None:
-                tracks[rid].last_s = end
+                if out.finish_reason is not None:
+                    tracks[rid].last_s = end
+        else:  # only first and last tokens matter: filter in C, loop over those alone
+            firsts = awaiting_first.intersection(map(_REQUEST_ID, outputs))
+            if firsts:
+                awaiting_first -= firsts
+                for rid in firsts:
+                    tracks[rid].first_s = end
+            for out in compress(outputs, map(_FINISH_REASON, outputs)):
+                tracks[out.request_id].last_s = end
         if not rep.has_work():
             busy.remove(rep)
     results = [_result(t) for t in tracks.values()]

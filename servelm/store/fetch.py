@@ -84,3 +84,8 @@ def resolve_model(
     if not _looks_like_hub_id(spec):
         raise FileNotFoundError(f"no such model file or folder: {spec}")
     return _snapshot(spec, store, revision)
+
+
+def resolve_model_dir(args) -> Path:
+    """The model folder an `EngineArgs` names (fetched or imported on first use)."""
+    return Path(resolve_model(args.model, args.store, args.revision))

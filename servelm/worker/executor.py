@@ -15,6 +15,7 @@ from servelm.config import EngineArgs
 from servelm.engine.core import EngineCore
 from servelm.engine.scheduler import SchedulerConfig
 from servelm.model.config import ModelSpec, load_spec
+from servelm.store.fetch import resolve_model_dir
 from servelm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("servelm")
@@ -29,12 +30,6 @@ class EngineInfo:
     block_size: int
     device: str
     dtype: str
-
-
-def resolve_model_dir(args: EngineArgs) -> Path:
-    from servelm.store.fetch import resolve_model
-
-    return Path(resolve_model(args.model, args.store, args.revision))
 
 
 def create_engine_core(

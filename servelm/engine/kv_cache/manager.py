@@ -8,9 +8,12 @@ scheduler (not this class) decides whom to preempt.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 
 from servelm.engine.kv_cache.block_pool import ROOT_HASH, BlockPool, KVBlock, hash_block_chain
 from servelm.engine.request import Request
+
+_BLOCK_ID = attrgetter("block_id")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -110,17 +113,20 @@ class KVCacheManager:
             - len(new_computed_blocks)
         )
         # Hit blocks that sit in the free queue stop being allocatable once we take them.
-        reclaimed = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        reclaimed = (
+            sum(1 for b in new_computed_blocks if b.ref_cnt == 0) if new_computed_blocks else 0
+        )
         if max(needed, 0) > self.pool.num_free_blocks - reclaimed:
             if not held:
                 del self.req_blocks[request.request_id]
             return None
-        self.pool.touch(new_computed_blocks)
+        if new_computed_blocks:
+            self.pool.touch(new_computed_blocks)
         new_blocks = self.pool.get_new_blocks(needed) if needed > 0 else []
         added = new_computed_blocks + new_blocks
         held.extend(added)
         ids = self._req_block_ids.setdefault(request.request_id, [])
-        ids.extend([b.block_id for b in added])
+        ids.extend(map(_BLOCK_ID, added))
         if self.enable_caching:
             self._cache_full_blocks(request, num_computed + num_new_tokens)
         return new_blocks

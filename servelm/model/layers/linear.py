@@ -36,6 +36,9 @@ class Linear(nn.Linear):
 
     packed: torch.Tensor | None = None
 
+    def reset_parameters(self) -> None:
+        """Nothing to initialise: `load_weights` fills the weights."""
+
     def pack_for_cpu(self) -> None:
         if self.packed is None and can_pack(self.weight):
             self.packed = _pack(self.weight)

@@ -1,0 +1,188 @@
+"""The performance workloads of issue #7 against freshly started `servelm serve` processes.
+
+    .venv/bin/python benchmarks/workloads.py [--model DIR] [--only W1,W2,W3,prefix,startup]
+        [--serve-arg=--num-threads=2 ...] [--out workloads.json]
+
+Each workload gets its own server (started, measured, stopped), so no run is helped by an
+earlier run's prefix cache. Requests go to /v1/completions, greedy, EOS ignored so every answer
+has exactly the output length, as `servelm bench` sends them:
+
+    W1       256-token prompts, 128 out, 32 requests, concurrency 1
+    W2       256 / 128, 64 requests, concurrency 16
+    W3       1,024 / 64, 32 requests, concurrency 8
+    prefix   the shared-prefix preset (1,000-token system prompt + 100-token question), 32 out,
+             16 requests at concurrency 1, with prefix caching and with --no-prefix-caching
+    startup  launch until a completion is answered, twice: the first start of this run and a
+             second start right after (the model files and Python modules now in the page cache)
+
+Prints one table and writes every number (plus the full bench results) to `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks.serve_latency import MODEL_NAME, Server, finite
+from servelm.bench import BenchConfig, Load, WorkloadSpec, run_benchmark
+
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "W1": {"input_len": 256, "output_len": 128, "num_requests": 32, "concurrency": 1},
+    "W2": {"input_len": 256, "output_len": 128, "num_requests": 64, "concurrency": 16},
+    "W3": {"input_len": 1024, "output_len": 64, "num_requests": 32, "concurrency": 8},
+}
+PREFIX = {"output_len": 32, "num_requests": 16, "concurrency": 1}
+
+
+def bench(server: Server, model_dir: Path, workload: WorkloadSpec, n: int, c: int, seed: int):
+    config = BenchConfig(
+        base_url=server.url,
+        model=MODEL_NAME,
+        endpoint="completions",
+        workload=workload,
+        tokenizer=str(model_dir),
+        loads=(Load(concurrency=c),),
+        num_requests=n,
+        seed=seed,
+    )
+    return asyncio.run(run_benchmark(config)).runs[0]
+
+
+def row(name: str, run: Any) -> dict[str, Any]:
+    s = run.summary
+    return {
+        "workload": name,
+        "completed": s["completed"],
+        "failed": s["failed"],
+        "output_throughput": s["output_throughput"],
+        "ttft_ms": {q: s["ttft_ms"][q] for q in ("p50", "p99")},
+        "tpot_ms": {q: s["tpot_ms"][q] for q in ("p50", "p99")},
+    }
+
+
+def first_answer_s(model_dir: Path, extra: list[str], log: Path, timeout_s: float) -> float:
+    """Seconds from launching `servelm serve` until a completion request is answered."""
+    t0 = time.perf_counter()
+    server = Server(model_dir, extra, log)
+    try:
+        while time.perf_counter() - t0 < timeout_s:
+            if server.proc.poll() is not None:
+                raise RuntimeError(f"servelm serve exited:\n{server.tail()}")
+            try:
+                r = httpx.post(
+                    server.url + "/v1/completions",
+                    json={"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 1},
+                    timeout=5,
+                )
+                if r.status_code == 200:
+                    return time.perf_counter() - t0
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"no answer within {timeout_s:.0f} s:\n{server.tail()}")
+    finally:
+        server.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="model folder (default: the servelm default model)")
+    p.add_argument("--only", default="W1,W2,W3,prefix,startup", help="comma list to run")
+    p.add_argument("--serve-arg", action="append", default=[], help="extra serve flag, repeatable")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("workloads.json"))
+    p.add_argument("--startup-timeout", type=float, default=600.0)
+    args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    wanted = {w.strip() for w in args.only.split(",") if w.strip()}
+    if args.model:
+        model_dir = Path(args.model)
+    else:
+        from servelm.store.default import ensure_default_model
+
+        model_dir = Path(ensure_default_model())
+    work = Path(tempfile.mkdtemp(prefix="workloads-"))
+    rows: list[dict[str, Any]] = []
+    runs: dict[str, Any] = {}
+    startup: dict[str, float] = {}
+    load_before = os.getloadavg()
+
+    def serve_and_bench(name: str, workload: WorkloadSpec, n: int, c: int, extra: list[str]):
+        server = Server(model_dir, args.serve_arg + extra, work / f"{name}.log")
+        try:
+            server.wait_ready(args.startup_timeout)
+            run = bench(server, model_dir, workload, n, c, args.seed)
+        finally:
+            server.stop()
+        rows.append(row(name, run))
+        runs[name] = run.to_dict()
+        print(f"{name}: done ({server.weights()})", flush=True)
+
+    if "startup" in wanted:
+        for label in ("first", "second"):
+            log = work / f"startup-{label}.log"
+            startup[label] = first_answer_s(model_dir, args.serve_arg, log, args.startup_timeout)
+            print(f"startup ({label}): {startup[label]:.2f} s", flush=True)
+    for name, w in WORKLOADS.items():
+        if name in wanted:
+            spec = WorkloadSpec(input_len=w["input_len"], output_len=w["output_len"])
+            serve_and_bench(name, spec, w["num_requests"], w["concurrency"], [])
+    if "prefix" in wanted:
+        spec = WorkloadSpec.from_preset("shared-prefix", output_len=PREFIX["output_len"])
+        n, c = PREFIX["num_requests"], PREFIX["concurrency"]
+        serve_and_bench("prefix-cache", spec, n, c, [])
+        serve_and_bench("no-prefix-cache", spec, n, c, ["--no-prefix-caching"])
+
+    print()
+    print(
+        f"{model_dir.name}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+        f"load average {load_before[0]:.1f} before / {os.getloadavg()[0]:.1f} after, "
+        f"serve flags {args.serve_arg or 'default'}"
+    )
+    head = ("workload", "ok", "fail", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99")
+    widths = (16, 4, 5, 10, 10, 10, 10, 10)
+    print("".join(h.rjust(w) for h, w in zip(head, widths, strict=True)) + "   (ms)")
+    for r in rows:
+        cells = (
+            r["workload"], str(r["completed"]), str(r["failed"]), f"{r['output_throughput']:.1f}",
+            *(f"{r[k][q]:.1f}" for k in ("ttft_ms", "tpot_ms") for q in ("p50", "p99")),
+        )  # fmt: skip
+        print("".join(c.rjust(w) for c, w in zip(cells, widths, strict=True)))
+    by_name = {r["workload"]: r for r in rows}
+    if "prefix-cache" in by_name and "no-prefix-cache" in by_name:
+        on = by_name["prefix-cache"]["ttft_ms"]["p50"]
+        off = by_name["no-prefix-cache"]["ttft_ms"]["p50"]
+        print(f"shared prefix: TTFT p50 {off:.0f} ms without caching / {on:.0f} ms with = "
+              f"{off / on:.1f}x")  # fmt: skip
+    for label, seconds in startup.items():
+        print(f"start-up to first answer ({label} start): {seconds:.2f} s")
+    data = {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "model": str(model_dir),
+        "serve_flags": args.serve_arg,
+        "cpu_count": os.cpu_count(),
+        "loadavg_before": load_before,
+        "rows": rows,
+        "startup_s": startup,
+        "bench": runs,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(finite(data), indent=1, allow_nan=False) + "\n")
+    print(f"wrote {args.out}")
+    return 1 if any(r["failed"] for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""CPU bf16 weights repacked for oneDNN give exactly what `F.linear` gives."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from servelm import LLM, SamplingParams
+from servelm.model.layers import linear as linear_mod
+from servelm.model.layers.linear import Linear, LogitsHead
+
+pytestmark = pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN"
+)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, 17, 64])
+def test_packed_linear_is_bitwise_f_linear(rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    layer = Linear(96, 200, bias=bias).to(torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(200, 96, generator=g))
+        if bias:
+            layer.bias.copy_(torch.randn(200, generator=g))
+    weight, b = layer.weight.detach().clone(), None if not bias else layer.bias.detach().clone()
+    x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
+    layer.pack_for_cpu()
+    assert layer.packed is not None and layer.weight.numel() == 0  # the plain copy is freed
+    with torch.inference_mode():
+        assert torch.equal(layer(x), F.linear(x, weight, b))
+        assert torch.equal(LogitsHead(weight)(x), F.linear(x, weight))
+
+
+def test_float32_is_left_alone():
+    layer = Linear(8, 4)
+    layer.pack_for_cpu()
+    assert layer.packed is None and layer.weight.shape == (4, 8)
+
+
+def test_bf16_engine_gives_the_same_tokens_packed_or_not(tiny_model_dir, monkeypatch):
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 380, (n,), generator=g).tolist() for n in (4, 19, 40)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def run() -> tuple[list[list[int]], int]:
+        llm = LLM(str(tiny_model_dir), dtype="bfloat16", kv_cache_memory="4MiB")
+        layers = [m for m in llm.engine.executor.model.modules() if isinstance(m, Linear)]
+        tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        return tokens, sum(m.packed is not None for m in layers)
+
+    packed, num_packed = run()
+    monkeypatch.setattr(linear_mod, "can_pack", lambda weight: False)
+    plain, num_plain = run()
+    assert num_packed > 0 and num_plain == 0
+    assert packed == plain
+    assert all(len(t) == 12 for t in packed)
