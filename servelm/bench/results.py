@@ -192,7 +192,9 @@ def load_results(path: str | Path) -> dict[str, Any]:
 
 def capacity_block(runs: list[RunResult], threshold: float) -> dict[str, Any] | None:
     """The highest load level whose SLO attainment is at least `threshold` (None if none)."""
-    best = capacity_at_slo([(run.load.value, run.summary["slo_attainment"]) for run in runs], threshold)
+    best = capacity_at_slo(
+        [(run.load.value, run.summary["slo_attainment"]) for run in runs], threshold
+    )
     if best is None:
         return None
     run = runs[best]

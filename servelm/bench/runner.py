@@ -94,7 +94,11 @@ async def run_benchmark(
             runs.append(
                 await run_level(client, target, workload, config, load, level, watcher, progress)
             )
-    return BenchResult({**config.to_dict(), "model": model}, runs, capacity_block(list(runs), config.capacity_threshold))
+    return BenchResult(
+        {**config.to_dict(), "model": model},
+        runs,
+        capacity_block(list(runs), config.capacity_threshold),
+    )
 
 
 async def run_sweep(
@@ -239,5 +243,3 @@ def inter_arrival(rng: random.Random, rate: float, burstiness: float = 1.0) -> f
     if math.isinf(rate):
         return 0.0
     return rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
-
-

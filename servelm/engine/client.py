@@ -67,6 +67,11 @@ class AsyncEngineClient:
 
     # -- life cycle -------------------------------------------------------------------------
     async def start(self) -> EngineReady:
+        self.launch()
+        return await self.wait_ready()
+
+    def launch(self) -> None:
+        """Start the engine process; `wait_ready` then waits for its model to be loaded."""
         in_addr = f"ipc://{self._ipc_dir}/input"
         out_addr = f"ipc://{self._ipc_dir}/output"
         self._in.bind(in_addr)
@@ -80,6 +85,8 @@ class AsyncEngineClient:
             daemon=True,
         )
         self._proc.start()
+
+    async def wait_ready(self) -> EngineReady:
         while True:
             if await self._out.poll(200):
                 kind, payload = decode(await self._out.recv())

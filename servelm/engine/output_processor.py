@@ -61,8 +61,16 @@ class OutputProcessor:
         if state is None or state.finished:
             return None
         delta = TextDelta(
-            out.request_id, "", [], out.logprobs, out.finish_reason, False,
-            out.num_prompt_tokens, out.num_cached_tokens, out.queued_time, out.error,
+            out.request_id,
+            "",
+            [],
+            out.logprobs,
+            out.finish_reason,
+            False,
+            out.num_prompt_tokens,
+            out.num_cached_tokens,
+            out.queued_time,
+            out.error,
         )
         params = state.params
         for i, tok in enumerate(out.new_token_ids):
@@ -73,8 +81,11 @@ class OutputProcessor:
             before = len(state.text)
             state.text += state.detokenizer.step(tok)
             # Like EOS and stop_token_ids, stop strings count only after min_tokens tokens.
-            if (params.stop and len(state.token_ids) > params.min_tokens
-                    and self._match_stop(state, before)):
+            if (
+                params.stop
+                and len(state.token_ids) > params.min_tokens
+                and self._match_stop(state, before)
+            ):
                 delta.token_ids = delta.token_ids[: i + 1]
                 if delta.logprobs:
                     delta.logprobs = delta.logprobs[: i + 1]

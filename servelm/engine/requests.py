@@ -13,9 +13,16 @@ from servelm.text.tokenizer import TextTokenizer
 def default_sampling_params(tokenizer: TextTokenizer, **overrides) -> SamplingParams:
     """SamplingParams with the model's generation_config defaults, then `overrides` on top."""
     d = tokenizer.generation_defaults
-    base = {k: v for k, v in (("temperature", d.temperature), ("top_p", d.top_p),
-                              ("top_k", d.top_k), ("repetition_penalty", d.repetition_penalty))
-            if v is not None}
+    base = {
+        k: v
+        for k, v in (
+            ("temperature", d.temperature),
+            ("top_p", d.top_p),
+            ("top_k", d.top_k),
+            ("repetition_penalty", d.repetition_penalty),
+        )
+        if v is not None
+    }
     base.update({k: v for k, v in overrides.items() if v is not None})
     return SamplingParams(**base)
 
@@ -34,7 +41,11 @@ def child_requests(
     for i in range(params.n):
         p = params
         if params.n > 1:
-            p = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+            p = dataclasses.replace(
+                params, n=1, seed=None if params.seed is None else params.seed + i
+            )
         rid = request_id if params.n == 1 else f"{request_id}-{i}"
-        out.append(Request(rid, list(prompt_token_ids), p, frozenset(eos_token_ids), arrival, priority))
+        out.append(
+            Request(rid, list(prompt_token_ids), p, frozenset(eos_token_ids), arrival, priority)
+        )
     return out

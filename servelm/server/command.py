@@ -80,9 +80,6 @@ def run(args: argparse.Namespace) -> int:
 
 async def serve(args: argparse.Namespace) -> int:
     from servelm.engine.client import AsyncEngineClient
-    from servelm.server.app import build_app
-    from servelm.server.metrics import ServerMetrics
-    from servelm.server.serving import ServerState
     from servelm.store.fetch import resolve_model_dir
     from servelm.text.tokenizer import TextTokenizer
 
@@ -92,7 +89,13 @@ async def serve(args: argparse.Namespace) -> int:
     logger.info("model folder %s ready in %.2f s", model_dir, time.perf_counter() - t0)
     tokenizer = TextTokenizer(model_dir)
     engine = AsyncEngineClient(engine_args, tokenizer, str(model_dir))
-    ready = await engine.start()
+    engine.launch()
+    # The web stack loads while the engine process loads the model.
+    from servelm.server.app import build_app
+    from servelm.server.metrics import ServerMetrics
+    from servelm.server.serving import ServerState
+
+    ready = await engine.wait_ready()
     name = engine_args.served_model_name or model_dir.name
     metrics = ServerMetrics(name, ready.block_size, ready.num_blocks)
     engine.stats_listeners.append(metrics.on_stats)

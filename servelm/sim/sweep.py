@@ -109,7 +109,11 @@ def run_sweep(config: SimConfig, loads: Sequence[Load]) -> BenchResult:
     """Simulate each load level in turn (level i draws stream i, as `servelm bench` does)."""
     deployment = resolve(config)
     runs = [run_level(deployment, load, level)[0] for level, load in enumerate(loads)]
-    return BenchResult(sim_config_dict(deployment, loads), runs, capacity_block(list(runs), config.capacity_threshold))
+    return BenchResult(
+        sim_config_dict(deployment, loads),
+        runs,
+        capacity_block(list(runs), config.capacity_threshold),
+    )
 
 
 def sim_config_dict(deployment: Deployment, loads: Sequence[Load] = ()) -> dict[str, Any]:

@@ -12,7 +12,15 @@ from tokenizers.decoders import DecodeStream
 
 from servelm.text.chat_template import ChatTemplateError, render_chat_template
 
-_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+_SPECIAL_KEYS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "pad_token",
+    "sep_token",
+    "cls_token",
+    "mask_token",
+)
 
 
 @dataclass
@@ -41,10 +49,14 @@ class TextTokenizer:
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"
         if not path.is_file():
-            raise FileNotFoundError(f"{path} not found: servelm needs a fast tokenizer (tokenizer.json)")
+            raise FileNotFoundError(
+                f"{path} not found: servelm needs a fast tokenizer (tokenizer.json)"
+            )
         self.tokenizer = Tokenizer.from_file(str(path))
         cfg = _read_json(model_dir / "tokenizer_config.json")
-        self.special_tokens = {k: t for k in _SPECIAL_KEYS if (t := _token_text(cfg.get(k))) is not None}
+        self.special_tokens = {
+            k: t for k in _SPECIAL_KEYS if (t := _token_text(cfg.get(k))) is not None
+        }
         template = cfg.get("chat_template")
         if isinstance(template, list):  # named templates: take the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
@@ -95,7 +107,9 @@ class TextTokenizer:
             self.chat_template, messages, add_generation_prompt, self.special_tokens, tools, **extra
         )
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kw: Any) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kw: Any
+    ) -> list[int]:
         # The rendered template already holds every special token it wants.
         return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kw), False)
 

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from servelm.engine.outputs import ModelRunnerOutput, SchedulerOutput
@@ -40,6 +41,17 @@ def resolve_dtype(name: str, spec: ModelSpec, device: torch.device) -> torch.dty
     if name not in _DTYPES:
         raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(_DTYPES)}")
     return _DTYPES[name]
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zero-filled memory. On the CPU it comes from calloc, which hands out pages the kernel
+    zeroes when they are first touched: a 1 GiB KV cache costs nothing until it is used, where
+    `torch.zeros` would write every byte at start-up."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    same_size_int = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(shape, dtype=same_size_int[itemsize])).view(dtype)
 
 
 @dataclass
@@ -106,10 +118,7 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         shape = (num_blocks * self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
         caches = [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
+            (zeros(shape, self.dtype, self.device), zeros(shape, self.dtype, self.device))
             for _ in range(self.spec.num_layers)
         ]
         self.attn = TorchPagedAttention(caches, self.spec.head_dim**-0.5, self.block_size)
