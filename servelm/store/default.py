@@ -20,7 +20,6 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from servelm.store.gguf_import import import_gguf
 from servelm.store.manifest import is_complete, sha256_file
 from servelm.store.paths import default_store_dir
 
@@ -105,6 +104,8 @@ def ensure_default_model(store_dir: str | Path | None = None) -> Path:
         if not gguf.is_file():
             raise FileNotFoundError(f"${DEFAULT_GGUF_ENV} points to a missing file: {gguf}")
         _check_pinned(gguf, f"${DEFAULT_GGUF_ENV}")
+        from servelm.store.gguf_import import import_gguf  # numpy + gguf: only when importing
+
         return import_gguf(gguf, folder)
 
     # Download next to the store rather than into /tmp: the store is where space was planned.
@@ -112,4 +113,6 @@ def ensure_default_model(store_dir: str | Path | None = None) -> Path:
     with tempfile.TemporaryDirectory(prefix=".download-", dir=store) as tmp:
         gguf = download_default_gguf(tmp)
         log.info("importing %s into %s", gguf.name, folder)
+        from servelm.store.gguf_import import import_gguf  # numpy + gguf: only when importing
+
         return import_gguf(gguf, folder)

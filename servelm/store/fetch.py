@@ -15,7 +15,6 @@ import re
 from pathlib import Path
 
 from servelm.store.default import ensure_default_model
-from servelm.store.gguf_import import import_gguf
 from servelm.store.paths import default_store_dir
 
 # Hub ids are "name" or "owner/name" made of letters, digits, "-", "_" and ".".
@@ -80,6 +79,8 @@ def resolve_model(
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ValueError(f"{path} is a file but not a .gguf; pass a model folder or a GGUF")
+        from servelm.store.gguf_import import import_gguf  # numpy + gguf: only when importing
+
         return import_gguf(path, store / path.stem)
     if not _looks_like_hub_id(spec):
         raise FileNotFoundError(f"no such model file or folder: {spec}")
