@@ -96,7 +96,9 @@ class Scheduler:
         allocate_slots = self.kv.allocate_slots
         while i < len(running) and budget > 0:
             request = running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = request.num_tokens - request.num_computed_tokens
+            if num_new > budget:
+                num_new = budget
             while allocate_slots(request, num_new) is None:
                 victim = self._pick_victim()
                 if self.running.index(victim) < i:  # already scheduled this step: take it back

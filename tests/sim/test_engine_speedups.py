@@ -1,9 +1,17 @@
 """The engine fast paths the simulator relies on give the same answers as the plain ones."""
 
+import dataclasses
+import inspect
 import random
 
 from servelm.engine.kv_cache import KVCacheManager
 from servelm.engine.kv_cache.block_pool import ROOT_HASH, hash_block_chain, hash_block_tokens
+from servelm.engine.outputs import (
+    EngineCoreOutput,
+    ScheduledRequest,
+    new_token_output,
+    scheduled_request,
+)
 from servelm.engine.request import Request
 from servelm.engine.sampling_params import SamplingParams
 
@@ -43,3 +51,16 @@ def test_block_ids_follow_blocks_through_growth_hits_and_frees():
     kv.free(b)
     assert kv.block_ids("a") == [] and kv.usage() == 0.0
     kv.check_integrity()
+
+
+def test_keyword_factories_match_the_dataclasses():
+    # scheduled_request / new_token_output call the classes positionally: same fields, in order
+    names = [f.name for f in dataclasses.fields(ScheduledRequest)]
+    assert list(inspect.signature(scheduled_request).parameters) == names
+    values = {name: object() for name in names}  # distinct markers: a swap would show
+    built = scheduled_request(**values)
+    assert all(getattr(built, name) is value for name, value in values.items())
+    out = new_token_output(request_id="a", token_id=7, num_prompt_tokens=5, num_cached_tokens=2)
+    assert out == EngineCoreOutput(
+        request_id="a", new_token_ids=[7], num_prompt_tokens=5, num_cached_tokens=2
+    )
