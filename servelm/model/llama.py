@@ -50,13 +50,17 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(q, spec.hidden_size, bias=False)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, attn: PagedAttention
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        rope: RotaryEmbedding,
+        attn: PagedAttention,
     ) -> torch.Tensor:
         T = x.shape[0]
         hq, hkv = self.num_heads, self.num_kv_heads
         # q, k and v heads are contiguous in the fused output: rotate q and k in one pass.
         qkv = self.qkv_proj(x).view(T, hq + 2 * hkv, self.head_dim)
-        qk = rope(positions, qkv[:, : hq + hkv])
+        qk = rope.apply(qkv[:, : hq + hkv], cos_sin)
         out = attn(self.layer_idx, qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :])
         return self.o_proj(out.reshape(T, -1))
 
@@ -83,8 +87,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = LlamaMLP(spec)
 
-    def forward(self, x, positions, rope, attn):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, attn)
+    def forward(self, x, cos_sin, rope, attn):
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, rope, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -127,8 +131,9 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: PagedAttention
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        cos_sin = self.rope.lookup(positions)
         for layer in self.layers:
-            x = layer(x, positions, self.rope, attn)
+            x = layer(x, cos_sin, self.rope, attn)
         return self.norm(x)
 
     def prepare_for_inference(self) -> None:
