@@ -193,6 +193,7 @@ class Scheduler:
         sampled = runner_output.sampled_token_ids
         logprobs = runner_output.logprobs
         running = RequestStatus.RUNNING
+        check_stop = self._check_stop
         for sreq in scheduler_output.requests:  # once per request per step: keep it lean
             rid = sreq.request_id
             request = requests.get(rid)
@@ -200,7 +201,7 @@ class Scheduler:
             if request is None or token is None or request.status != running:
                 continue
             request.output_token_ids.append(token)
-            status = self._check_stop(request, token)
+            status = check_stop(request, token)
             out = new_token_output(
                 request_id=rid,
                 token_id=token,

@@ -95,15 +95,27 @@ class KVCacheManager:
         Returns the newly allocated blocks, or None (changing nothing) if the pool is short.
         """
         held = self.req_blocks.get(request.request_id)
-        if held is not None and not new_computed_blocks:
-            # Fast path (every decode step): no prefix hit to take and often no block to add.
+        if held and not new_computed_blocks:
+            # Fast path (every decode step): no prefix hit to take, often no block to add, and
+            # otherwise a block or two taken straight from the pool (same result as below).
             num_total = request.num_computed_tokens + num_new_tokens
-            if -(-num_total // self.block_size) <= len(held):  # cdiv, inlined
+            needed = -(-num_total // self.block_size) - len(held)  # cdiv, inlined
+            if needed <= 0:
                 if self.enable_caching and num_total // self.block_size > (
                     self._num_cached_blocks.get(request.request_id, 0)
                 ):
                     self._cache_full_blocks(request, num_total)
                 return []
+            if needed > self.pool.num_free_blocks:
+                return None
+            new_blocks = self.pool.get_new_blocks(needed)
+            held.extend(new_blocks)
+            self._req_block_ids.setdefault(request.request_id, []).extend(
+                map(_BLOCK_ID, new_blocks)
+            )
+            if self.enable_caching:
+                self._cache_full_blocks(request, num_total)
+            return new_blocks
         new_computed_blocks = new_computed_blocks or []
         held = self.req_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
