@@ -14,6 +14,7 @@ class ScheduledRequest:
     `token_ids` are the tokens whose KV this step computes, at positions
     `num_computed_tokens ... num_computed_tokens + len(token_ids) - 1`. The runner samples a
     next token only when `sample` is true (the request's last known token is in this step).
+    `block_ids` is the KV manager's own list (shared, not copied; read it, never change it).
     """
 
     request_id: str

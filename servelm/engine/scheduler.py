@@ -143,7 +143,7 @@ class Scheduler:
         # Describe each scheduled request (each appears once), then advance it. Runs once per
         # request per step, inline rather than through a method call.
         described = []
-        block_ids = self.kv.block_ids
+        block_ids = self.kv.shared_block_ids  # runners only read them (as the token lists)
         for request, n in scheduled:
             start = request.num_computed_tokens
             end = start + n

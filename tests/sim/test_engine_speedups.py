@@ -46,6 +46,11 @@ def test_block_ids_follow_blocks_through_growth_hits_and_frees():
     ids = kv.block_ids("b")
     ids.append(-1)  # a copy: callers cannot corrupt the manager's list
     assert -1 not in kv.block_ids("b")
+    shared = kv.shared_block_ids("b")  # no copy, but a snapshot: growth replaces the list
+    assert shared == kv.block_ids("b")
+    b.num_computed_tokens = 11
+    kv.allocate_slots(b, 9)
+    assert len(kv.shared_block_ids("b")) == len(shared) + 2 and shared == ids[:-1]
     kv.check_integrity()
     kv.free(a)
     kv.free(b)

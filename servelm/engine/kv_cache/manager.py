@@ -14,6 +14,7 @@ from servelm.engine.kv_cache.block_pool import ROOT_HASH, BlockPool, KVBlock, ha
 from servelm.engine.request import Request
 
 _BLOCK_ID = attrgetter("block_id")
+_NO_BLOCKS: list[int] = []  # shared, never changed
 
 
 def cdiv(a: int, b: int) -> int:
@@ -41,7 +42,9 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[KVBlock]] = {}
-        self._req_block_ids: dict[str, list[int]] = {}  # req_blocks as ids, kept in step
+        # req_blocks as ids, kept in step. Each list is replaced, never changed in place, when a
+        # request gains blocks, so `shared_block_ids` can hand out the list itself.
+        self._req_block_ids: dict[str, list[int]] = {}
         self._num_cached_blocks: dict[str, int] = {}
         self.prefix_stats = PrefixCacheStats()
 
@@ -55,6 +58,11 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         ids = self._req_block_ids.get(request_id)
         return [] if ids is None else ids.copy()  # a copy: O(blocks) in C, not in Python
+
+    def shared_block_ids(self, request_id: str) -> list[int]:
+        """The request's block ids without a copy: a snapshot that this manager never changes
+        (it replaces the list when blocks are added). Callers must not change it either."""
+        return self._req_block_ids.get(request_id, _NO_BLOCKS)
 
     def _update_block_hashes(self, request: Request, num_full_blocks: int) -> None:
         """Extend the request's chained block hashes to cover its first `num_full_blocks`."""
@@ -110,9 +118,7 @@ class KVCacheManager:
                 return None
             new_blocks = self.pool.get_new_blocks(needed)
             held.extend(new_blocks)
-            self._req_block_ids.setdefault(request.request_id, []).extend(
-                map(_BLOCK_ID, new_blocks)
-            )
+            self._add_block_ids(request.request_id, new_blocks)
             if self.enable_caching:
                 self._cache_full_blocks(request, num_total)
             return new_blocks
@@ -137,11 +143,14 @@ class KVCacheManager:
         new_blocks = self.pool.get_new_blocks(needed) if needed > 0 else []
         added = new_computed_blocks + new_blocks
         held.extend(added)
-        ids = self._req_block_ids.setdefault(request.request_id, [])
-        ids.extend(map(_BLOCK_ID, added))
+        self._add_block_ids(request.request_id, added)
         if self.enable_caching:
             self._cache_full_blocks(request, num_computed + num_new_tokens)
         return new_blocks
+
+    def _add_block_ids(self, request_id: str, blocks: list[KVBlock]) -> None:
+        ids = self._req_block_ids.get(request_id, _NO_BLOCKS)
+        self._req_block_ids[request_id] = ids + list(map(_BLOCK_ID, blocks))  # a new list
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Publish the hashes of blocks that this step fills (their token ids are known)."""
