@@ -94,9 +94,11 @@ class BlockPool:
         if n > len(self._free):
             raise ValueError(f"cannot allocate {n} blocks, only {len(self._free)} free")
         out = []
+        popitem = self._free.popitem
         for _ in range(n):
-            _, block = self._free.popitem(last=False)
-            self._evict(block)
+            _, block = popitem(last=False)
+            if block.block_hash is not None:
+                self._evict(block)
             block.ref_cnt = 1
             out.append(block)
         return out
@@ -110,12 +112,13 @@ class BlockPool:
 
     def free_blocks(self, ordered_blocks: Iterable[KVBlock]) -> None:
         """Drop one reference from each block; blocks reaching zero join the queue tail in order."""
+        free = self._free
         for block in ordered_blocks:
             block.ref_cnt -= 1
-            if block.ref_cnt < 0:
-                raise RuntimeError(f"block {block.block_id} freed more often than allocated")
             if block.ref_cnt == 0:
-                self._free[block.block_id] = block
+                free[block.block_id] = block
+            elif block.ref_cnt < 0:
+                raise RuntimeError(f"block {block.block_id} freed more often than allocated")
 
     def cache_block(self, block: KVBlock, block_hash: BlockHash) -> None:
         """Record that `block` holds the full block whose chained hash is `block_hash`."""

@@ -160,8 +160,10 @@ class KVCacheManager:
             return
         self._update_block_hashes(request, num_full)
         held = self.req_blocks[request.request_id]
+        hashes = request.block_hashes
+        cache_block = self.pool.cache_block
         for i in range(start, num_full):
-            self.pool.cache_block(held[i], request.block_hashes[i])
+            cache_block(held[i], hashes[i])
         self._num_cached_blocks[request.request_id] = num_full
 
     def free(self, request: Request) -> None:
