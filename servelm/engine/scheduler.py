@@ -96,7 +96,12 @@ class Scheduler:
         allocate_slots = self.kv.allocate_slots
         while i < len(running) and budget > 0:
             request = running[i]
-            num_new = request.num_tokens - request.num_computed_tokens
+            # request.num_tokens - computed, without the property call (once per request-step)
+            num_new = (
+                len(request.prompt_token_ids)
+                + len(request.output_token_ids)
+                - request.num_computed_tokens
+            )
             if num_new > budget:
                 num_new = budget
             while allocate_slots(request, num_new) is None:
@@ -193,22 +198,37 @@ class Scheduler:
         sampled = runner_output.sampled_token_ids
         logprobs = runner_output.logprobs
         running = RequestStatus.RUNNING
-        check_stop = self._check_stop
+        max_model_len = self.config.max_model_len
         for sreq in scheduler_output.requests:  # once per request per step: keep it lean
             rid = sreq.request_id
             request = requests.get(rid)
             token = sampled.get(rid)
             if request is None or token is None or request.status != running:
                 continue
-            request.output_token_ids.append(token)
-            status = check_stop(request, token)
+            output_ids = request.output_token_ids
+            output_ids.append(token)
+            # Stop checks, inline: an eos / stop token once min_tokens are out, else the length.
+            n_out = len(output_ids)
+            params = request.sampling_params
+            status = None
+            if n_out >= params.min_tokens and (
+                (token in request.eos_token_ids and not params.ignore_eos)
+                or token in params.stop_token_ids
+            ):
+                request.stop_token_id = token
+                status = RequestStatus.FINISHED_STOPPED
+            elif (
+                n_out >= request.max_output_tokens
+                or n_out + len(request.prompt_token_ids) >= max_model_len
+            ):
+                status = RequestStatus.FINISHED_LENGTH
             out = new_token_output(
                 request_id=rid,
                 token_id=token,
                 num_prompt_tokens=len(request.prompt_token_ids),
                 num_cached_tokens=request.num_cached_tokens,
             )
-            if len(request.output_token_ids) == 1 and request.scheduled_time is not None:
+            if n_out == 1 and request.scheduled_time is not None:
                 out.queued_time = max(0.0, request.scheduled_time - request.arrival_time)
             if logprobs:
                 lp = logprobs.get(rid)
@@ -221,22 +241,6 @@ class Scheduler:
                 out.stop_token_id = request.stop_token_id
             outputs.append(out)
         return outputs
-
-    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
-        params = request.sampling_params
-        n_out = len(request.output_token_ids)
-        if n_out >= params.min_tokens:
-            if (
-                token in request.eos_token_ids and not params.ignore_eos
-            ) or token in params.stop_token_ids:
-                request.stop_token_id = token
-                return RequestStatus.FINISHED_STOPPED
-        if (
-            n_out >= request.max_output_tokens
-            or n_out + len(request.prompt_token_ids) >= self.config.max_model_len
-        ):
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def make_stats(self) -> SchedulerStats:
         prefix = self.kv.prefix_stats.reset()
