@@ -36,6 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # for tests/live_server.py
 
+from servelm.config import EngineArgs  # noqa: E402
 from tests.live_server import LiveServer  # noqa: E402
 
 SERVELM = [sys.executable, "-m", "servelm.cli"]
@@ -91,8 +92,8 @@ def main() -> int:
     ap.add_argument("--rates", help="comma list; default: 0.25, 0.55, 0.85 x simulated capacity")
     ap.add_argument("--fractions", default="0.25,0.55,0.85", help="of the simulated capacity")
     ap.add_argument("--capacity-slo-ttft-ms", type=float, default=1000.0)
-    ap.add_argument("--max-num-seqs", type=int, default=64)  # servelm serve's default
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--max-num-seqs", type=int, default=EngineArgs.max_num_seqs)  # serve's
+    ap.add_argument("--max-num-batched-tokens", type=int, default=EngineArgs.max_num_batched_tokens)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--num-threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
                     help="server torch threads; must match calibration (engine default)")  # fmt: skip

@@ -45,8 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     dep.add_argument("--allowance-gb", type=float, default=2.0)
     dep.add_argument("--kv-cache-gb", type=float, help="KV pool per replica (measured profiles)")
     dep.add_argument("--block-size", type=int, default=16)
-    dep.add_argument("--max-num-seqs", type=int, default=256)
-    dep.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    dep.add_argument("--max-num-seqs", type=int,
+                     help="default: 256 on a --gpu, servelm serve's default with --profile")  # fmt: skip
+    dep.add_argument("--max-num-batched-tokens", type=int,
+                     help="default: 2048 on a --gpu, servelm serve's default with --profile")  # fmt: skip
     dep.add_argument("--max-model-len", type=int)
     dep.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
     dep.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")

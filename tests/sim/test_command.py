@@ -1,11 +1,15 @@
 """`servelm simulate` end to end: sweep, JSON in the bench schema, plots, profile files."""
 
+import argparse
 import json
 
 import pytest
 
 from servelm.bench.results import load_results
 from servelm.cli import main
+from servelm.config import EngineArgs
+from servelm.sim.command import add_arguments, config_from_args
+from servelm.sim.config import resolve
 from servelm.sim.profiles import ProfileFile, load_profile
 from servelm.sim.roofline import measured_profile
 
@@ -50,3 +54,30 @@ def test_profile_file_round_trip_and_use(tmp_path, capsys):
 def test_bad_arguments_exit_2():
     assert main(["simulate", "--model", "no-such-model", "--rate", "1"]) == 2
     assert main(["simulate", "--gpu", "no-such-gpu", "--rate", "1"]) == 2
+
+
+def test_scheduler_limits_default_to_what_is_simulated(tmp_path):
+    # a measured profile simulates servelm's own engine: serve's defaults (from EngineArgs);
+    # a datasheet GPU simulates a GPU deployment: 256 sequences, 2,048 tokens per step
+    path = tmp_path / "cpu.json"
+    ProfileFile(measured_profile(60e9, 8e9), "smollm2-135m").write(path)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+
+    def limits(*argv):
+        args = parser.parse_args(list(argv))
+        profile_model = None
+        if args.profile:
+            args.loaded_profile = load_profile(args.profile).profile
+            profile_model = "smollm2-135m"
+        sched = resolve(config_from_args(args, profile_model)).scheduler
+        return sched.max_num_seqs, sched.max_num_batched_tokens
+
+    serve = EngineArgs()
+    assert limits("--profile", str(path)) == (serve.max_num_seqs, serve.max_num_batched_tokens)
+    assert limits("--profile", str(path), "--max-num-seqs", "8") == (
+        8,
+        serve.max_num_batched_tokens,
+    )
+    assert limits() == (256, 2048)
+    assert limits("--max-num-batched-tokens", "8192") == (256, 8192)
