@@ -95,3 +95,19 @@ def test_measured_cpu_profile():
     assert t == pytest.approx(tiny.weight_bytes_per_step / 50e9 + 0.005, rel=0.01)
     with pytest.raises(ValueError):
         measured_profile(0, 1)
+
+
+def test_attention_runs_at_its_own_efficiency():
+    # FlashAttention-class kernels: 0.6 of peak on the datasheet profiles; the matmuls 0.4
+    assert H100.attention_efficiency == 0.6 and H100.compute_efficiency == 0.4
+    pairs = pairs_for_request(6000, 0)
+    c = step_cost(H100, LLAMA_8B, 6000, 0, 0, attention_pairs=pairs, sampled_tokens=1)
+    matmul = LLAMA_8B.linear_flops_per_token * 6000 + LLAMA_8B.lm_head_flops_per_token
+    attention = LLAMA_8B.attention_flops_per_pair * pairs
+    assert c.flops == matmul + attention
+    assert c.compute_s == pytest.approx(matmul / (0.4 * 989.4e12) + attention / (0.6 * 989.4e12))
+    # a measured profile prices every FLOP at its one fitted rate
+    cpu = measured_profile(flops=1e12, bandwidth=50e9)
+    assert step_cost(cpu, LLAMA_8B, 6000, 0, 0).compute_s == pytest.approx(
+        step_cost(cpu, LLAMA_8B, 6000, 0, 0).flops / 1e12
+    )
