@@ -49,7 +49,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     seed: int = 0
-    num_threads: int | None = None  # torch CPU threads; None = all cores but one (min 1)
+    num_threads: int | None = None  # torch CPU threads; None = every core
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_size(self.kv_cache_memory)

@@ -81,8 +81,10 @@ class ModelRunner:
         self.max_model_len = max_model_len
         torch.manual_seed(seed)
         if self.device.type == "cpu":
-            # OpenMP threads that must share a core with the API process stall each other badly.
-            torch.set_num_threads(num_threads or max(1, (os.cpu_count() or 2) - 1))
+            # Every core: a decode step is bound by reading the weights, which both cores do
+            # faster together. The engine process bounds OpenMP's spinning so that sharing the
+            # cores with the API process does not stall it (core_process._short_openmp_spin).
+            torch.set_num_threads(num_threads or os.cpu_count() or 1)
         t0 = time.perf_counter()
         self.model = build_model(model_dir, spec, self.dtype, self.device, max_model_len)
         self.weight_bytes = self.model.weight_bytes
