@@ -25,8 +25,9 @@ import torch.nn.functional as F
 class PrefillChunk:
     start: int  # first row of this request in the step's flattened tokens
     num_tokens: int  # query tokens in this step
-    context_slots: torch.Tensor  # [context_len] cache slots of every token so far (incl. these)
-    causal: torch.Tensor | None  # [num_tokens, context_len] mask, None when context == queries
+    context_len: int  # tokens so far, these included
+    context_blocks: torch.Tensor  # [ceil(context_len / block_size)] blocks holding them
+    causal: torch.Tensor | None  # [num_tokens, context_len] 0 / -inf, None when context == queries
 
 
 @dataclass
@@ -34,15 +35,26 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
     decode_rows: torch.Tensor | None  # [Bd] rows of the decode tokens (None: all rows are)
     decode_blocks: torch.Tensor | None  # [Bd * max_blocks] block ids to read, padded per row
-    decode_mask: torch.Tensor | None  # [Bd, 1, 1, max_blocks * block_size] True for real tokens
+    decode_mask: torch.Tensor | None  # [Bd, 1, 1, max_blocks * block_size] 0 real, -inf padding
     prefills: list[PrefillChunk]
     all_decode: bool = False
 
 
+def additive_mask(allowed: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """0 where attention is allowed, -inf elsewhere: what SDPA makes of a boolean mask in every
+    call, made once per step instead of once per layer."""
+    mask = torch.zeros(allowed.shape, dtype=dtype)
+    return mask.masked_fill_(torch.from_numpy(~allowed), float("-inf")).to(device)
+
+
 def build_metadata(
-    seqs: list[tuple[int, int, list[int]]], block_size: int, device: torch.device
+    seqs: list[tuple[int, int, list[int]]],
+    block_size: int,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
 ) -> AttentionMetadata:
-    """seqs: per request (num_computed_tokens, num_new_tokens, block_ids), in batch order.
+    """seqs: per request (num_computed_tokens, num_new_tokens, block_ids), in batch order;
+    dtype: the model's (attention masks are made in it).
 
     Built with numpy on the host (one small array op per request, not one torch op per token),
     then moved to the device once.
@@ -52,24 +64,20 @@ def build_metadata(
     row = 0
     for num_computed, num_new, block_ids in seqs:
         ctx = num_computed + num_new
-        pos = np.arange(ctx)
-        slots = (
-            np.asarray(block_ids, dtype=np.int64)[pos // block_size] * block_size + pos % block_size
-        )
-        slot_parts.append(slots[num_computed:])
+        used_blocks = block_ids[: -(-ctx // block_size)]
+        new_pos = np.arange(num_computed, ctx)
+        table = np.asarray(used_blocks, dtype=np.int64)
+        slot_parts.append(table[new_pos // block_size] * block_size + new_pos % block_size)
         if num_new == 1 and num_computed > 0:
             decode_rows.append(row)
-            decode_blocks.append(block_ids[: -(-ctx // block_size)])
+            decode_blocks.append(used_blocks)
             decode_lens.append(ctx)
         else:
             causal = None
-            if (
-                num_computed
-            ):  # query i (at position num_computed + i) sees keys 0 .. num_computed + i
-                causal = torch.from_numpy(pos[None, :] <= np.arange(num_computed, ctx)[:, None]).to(
-                    device
-                )
-            prefills.append(PrefillChunk(row, num_new, torch.from_numpy(slots).to(device), causal))
+            if num_computed:  # query i (at position num_computed + i) sees keys 0 .. its own
+                causal = additive_mask(np.arange(ctx)[None, :] <= new_pos[:, None], dtype, device)
+            blocks = torch.from_numpy(table).to(device)
+            prefills.append(PrefillChunk(row, num_new, ctx, blocks, causal))
         row += num_new
 
     meta = AttentionMetadata(
@@ -86,7 +94,7 @@ def build_metadata(
         meta.decode_rows = None if n == row else torch.tensor(decode_rows, device=device)
         meta.all_decode = n == row
         meta.decode_blocks = torch.from_numpy(padded.reshape(-1)).to(device)
-        meta.decode_mask = torch.from_numpy(mask).view(n, 1, 1, max_ctx).to(device)
+        meta.decode_mask = additive_mask(mask, dtype, device).view(n, 1, 1, max_ctx)
     return meta
 
 
@@ -120,7 +128,8 @@ class TorchPagedAttention:
             if chunk.causal is None:  # nothing cached before this chunk: its own K/V is all
                 kp, vp = k[rows], v[rows]
             else:
-                kp, vp = k_cache[chunk.context_slots], v_cache[chunk.context_slots]
+                kp = self._read_blocks(k_cache, chunk.context_blocks)[: chunk.context_len]
+                vp = self._read_blocks(v_cache, chunk.context_blocks)[: chunk.context_len]
             kp = kp.transpose(0, 1).unsqueeze(0)
             vp = vp.transpose(0, 1).unsqueeze(0)
             op = F.scaled_dot_product_attention(
@@ -135,14 +144,19 @@ class TorchPagedAttention:
             out[rows] = op.squeeze(0).transpose(0, 1)
         return out
 
+    def _read_blocks(self, cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """The tokens of `blocks`, in order, as [len(blocks) * block_size, Hkv, D]: one
+        contiguous copy per block rather than one per token."""
+        hkv, d = cache.shape[1], cache.shape[2]
+        whole = cache.view(-1, self.block_size, hkv, d).index_select(0, blocks)
+        return whole.view(-1, hkv, d)
+
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, gqa: bool) -> torch.Tensor:
         """One query token per request, all requests in one padded SDPA call."""
         bd, hkv, d = q.shape[0], k_cache.shape[1], k_cache.shape[2]
-        blocks = (-1, self.block_size, hkv, d)  # the cache seen as whole blocks
-        kd = k_cache.view(blocks).index_select(0, meta.decode_blocks)
-        vd = v_cache.view(blocks).index_select(0, meta.decode_blocks)
-        kd = kd.view(bd, -1, hkv, d).transpose(1, 2)  # [Bd, Hkv, max_blocks * block_size, D]
-        vd = vd.view(bd, -1, hkv, d).transpose(1, 2)
+        kd = self._read_blocks(k_cache, meta.decode_blocks).view(bd, -1, hkv, d).transpose(1, 2)
+        vd = self._read_blocks(v_cache, meta.decode_blocks).view(bd, -1, hkv, d).transpose(1, 2)
+        # kd, vd: [Bd, Hkv, max_blocks * block_size, D]
         od = F.scaled_dot_product_attention(
             q.unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=gqa
         )

@@ -144,7 +144,9 @@ class ModelRunner:
         ]
         attn = TorchPagedAttention(scratch, self.spec.head_dim**-0.5, self.block_size)
         blocks = list(range(-(-num_tokens // self.block_size)))
-        attn.meta = build_metadata([(0, num_tokens, blocks)], self.block_size, self.device)
+        attn.meta = build_metadata(
+            [(0, num_tokens, blocks)], self.block_size, self.device, self.dtype
+        )
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         pos = torch.arange(num_tokens, device=self.device)
         with torch.inference_mode():
@@ -176,7 +178,7 @@ class ModelRunner:
                 sampled.append(r)
 
         device = self.device
-        self.attn.meta = build_metadata(seqs, self.block_size, device)
+        self.attn.meta = build_metadata(seqs, self.block_size, device, self.dtype)
         input_ids = torch.tensor(ids, dtype=torch.long, device=device)
         pos = torch.tensor(positions, dtype=torch.long, device=device)
         with torch.inference_mode():
