@@ -6,7 +6,7 @@
 1. `servelm simulate --calibrate` times the real engine in-process and fits a CPU profile
    (skipped with --profile).
 2. `servelm serve` starts the default model on a free loopback port with the same torch thread
-   count the calibration used (the engine default: all cores but one).
+   count the calibration used (the engine default: every core).
 3. Three Poisson rates are picked ONCE from the simulator's capacity for that profile (requests/s
    at which p90 TTFT stays under --capacity-slo-ttft-ms): light, medium and near capacity.
 4. `servelm bench` measures the server at those rates; `servelm simulate --profile` simulates
@@ -109,7 +109,7 @@ def main() -> int:
     log.write_text("")
     model_dir = ensure_default_model()
 
-    # 1. calibrate (the in-process engine uses the engine's default thread count, cores - 1)
+    # 1. calibrate (the in-process engine uses the engine's default thread count, every core)
     if args.profile:
         profile = Path(args.profile)
     else:

@@ -89,7 +89,7 @@ class EngineArgs:
             "--num-threads",
             type=int,
             default=None,
-            help="CPU threads for torch (default: all cores but one, leaving one for HTTP)",
+            help="CPU threads for torch (default: every core)",
         )
 
     @classmethod
