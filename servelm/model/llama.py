@@ -145,5 +145,4 @@ class LlamaForCausalLM(nn.Module):
         pack_linears_for_cpu(self)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, vocab] in the model's dtype (the sampler widens them when it needs to)."""
-        return self.logits_head(hidden)
+        return self.logits_head(hidden).float()

@@ -90,12 +90,8 @@ def filter_logits(logits: torch.Tensor, reqs: list[ScheduledRequest]) -> torch.T
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[list[int], list[Logprobs | None]]:
-    """logits: [B, V] in the model's dtype, one row per request in `batch` order."""
+    """logits: float32 [B, V], one row per request in `batch` order."""
     reqs = batch.requests
-    if all(_plain_greedy(r) for r in reqs):
-        # argmax needs no float32 copy: widening bf16/fp16 is exact, so the winner is the same.
-        return logits.argmax(dim=-1).tolist(), [None] * len(reqs)
-    logits = logits.float()
     want_logprobs = [r.sampling_params.logprobs for r in reqs]
     raw_logprobs = logits.log_softmax(dim=-1) if any(k is not None for k in want_logprobs) else None
 
@@ -132,16 +128,6 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[list[int], list[
                 top = list(zip(ids.tolist(), vals.tolist(), strict=True))
             lps[i] = Logprobs(tok, lp, rank, top)
     return token_list, lps
-
-
-def _plain_greedy(r: ScheduledRequest) -> bool:
-    p = r.sampling_params
-    return (
-        p.greedy
-        and p.logprobs is None
-        and not _needs_penalty(r)
-        and len(r.output_token_ids) >= p.min_tokens
-    )
 
 
 def _needs_penalty(r: ScheduledRequest) -> bool:
