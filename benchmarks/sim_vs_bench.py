@@ -79,11 +79,9 @@ def main() -> int:
     ap.add_argument("--calibrate-seconds", type=float, default=60.0)
     ap.add_argument(
         "--calibrate-clock",
-        choices=("cpu", "wall"),
-        default="cpu",
-        help="cpu: `servelm simulate --calibrate` (CPU time / threads, the CLI's only mode);\n"
-        "wall: servelm.sim.calibrate.calibrate(clock='wall') in-process, which counts the\n"
-        "time other processes hold the cores, as the real server experiences it",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="passed to `servelm simulate --calibrate-clock` (default: wall)",
     )
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=32)
@@ -95,7 +93,7 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=EngineArgs.max_num_seqs)  # serve's
     ap.add_argument("--max-num-batched-tokens", type=int, default=EngineArgs.max_num_batched_tokens)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--num-threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
+    ap.add_argument("--num-threads", type=int, default=os.cpu_count() or 1,
                     help="server torch threads; must match calibration (engine default)")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -114,16 +112,9 @@ def main() -> int:
         profile = Path(args.profile)
     else:
         profile = out / "cpu_profile.json"
-        if args.calibrate_clock == "cpu":
-            sh([*SERVELM, "simulate", "--calibrate", "--profile-out", str(profile),
-                "--calibrate-seconds", f"{args.calibrate_seconds:g}"], log)  # fmt: skip
-        else:
-            code = (
-                "import sys; from servelm.sim.calibrate import calibrate; "
-                "c = calibrate(None, budget_s=float(sys.argv[2]), clock='wall'); "
-                "c.profile_file.write(sys.argv[1]); print(c.profile_file.profile)"
-            )
-            sh([sys.executable, "-c", code, str(profile), f"{args.calibrate_seconds:g}"], log)
+        sh([*SERVELM, "simulate", "--calibrate", "--profile-out", str(profile),
+            "--calibrate-seconds", f"{args.calibrate_seconds:g}",
+            "--calibrate-clock", args.calibrate_clock], log)  # fmt: skip
     fit = json.loads(profile.read_text())
     cal_threads = fit.get("fit", {}).get("torch_threads")
     if cal_threads is not None and cal_threads != args.num_threads:

@@ -87,6 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cal.add_argument("--calibrate", action="store_true", help="fit a profile to this CPU")
     cal.add_argument("--profile-out", default="cpu_profile.json")
     cal.add_argument("--calibrate-seconds", type=float, default=45.0)
+    cal.add_argument("--calibrate-clock", choices=["wall", "cpu"], default="wall",
+                     help="time steps by wall time (default) or CPU time / threads (for a "
+                     "shared machine; undercounts multi-threaded steps)")  # fmt: skip
     cal.add_argument("--calibrate-model", help="model folder to time (default: default model)")
 
 
@@ -197,7 +200,9 @@ def _profile_from_args(args: argparse.Namespace, console: Console) -> str | None
         from servelm.sim.calibrate import calibrate  # torch: only when asked
 
         console.print(f"calibrating for up to {args.calibrate_seconds:g} s (plus model load)...")
-        cal = calibrate(args.calibrate_model, budget_s=args.calibrate_seconds)
+        cal = calibrate(
+            args.calibrate_model, budget_s=args.calibrate_seconds, clock=args.calibrate_clock
+        )
         cal.profile_file.write(args.profile_out)
         p = cal.profile_file.profile
         console.print(
