@@ -38,11 +38,8 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import re
-import signal
 import statistics
-import time
 from pathlib import Path
 
 import httpx
@@ -75,30 +72,8 @@ def server(tiny_model_dir):
         "--max-model-len", "512",
         "--no-prefix-caching",  # repeated prompts cost the same each time: runs compare like for like
     )  # fmt: skip
-    engine = srv.engine_pid()
     yield srv
     srv.stop()
-    reap_orphan(engine)
-
-
-def reap_orphan(pid: int, timeout_s: float = 10.0) -> None:
-    """End the engine-core process if it outlived the server.
-
-    At the time of writing it does: uvicorn (0.54) re-raises the SIGTERM it caught once serving
-    ends, which kills the API process before `servelm.server.command.serve` reaches
-    `engine.shutdown()`, so the engine is left running under init. Without this every run of
-    this module would leak one. Once that is fixed the process is already gone and this returns.
-    """
-    deadline = time.monotonic() + timeout_s
-    sig = signal.SIGTERM
-    while True:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            return
-        if time.monotonic() > deadline:
-            sig = signal.SIGKILL
-        time.sleep(0.2)
 
 
 def bench(server: LiveServer, tokenizer: Path, **fields) -> BenchResult:
