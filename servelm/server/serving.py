@@ -1,8 +1,9 @@
 """What chat and completions share: validation, sampling parameters, admission, fan-out of `n`.
 
 `OpenAIServing.run_choices` starts one engine request per prompt and choice and yields
-`(choice_index, TextDelta)` as they arrive, with metrics taken on the way. Formatting the
-chunks is left to `serving_chat` / `serving_completion`.
+`(choice_index, TextDelta)` as they arrive, with metrics taken on the way. `collect` (a whole
+answer) and `stream_events` (an SSE body) consume them the same way for both endpoints; the
+shape of each choice and chunk is left to `serving_chat` / `serving_completion`.
 """
 
 from __future__ import annotations
@@ -10,18 +11,21 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 
-from servelm.engine.client import AsyncEngineClient
+from servelm.engine.client import AsyncEngineClient, EngineDeadError
 from servelm.engine.output_processor import TextDelta
+from servelm.engine.outputs import Logprobs
 from servelm.engine.requests import default_sampling_params
 from servelm.engine.sampling_params import MAX_LOGPROBS, InvalidParamError, SamplingParams
 from servelm.server.errors import APIError
 from servelm.server.metrics import RequestTimer, ServerMetrics
 from servelm.server.protocol import SamplingFields
+from servelm.server.sse import DONE, error_event
 
 
 @dataclass
@@ -180,3 +184,73 @@ async def cancel_on_disconnect(raw: Request, coro):
             task.cancel()
             raise APIError(499, "client disconnected")
     return task.result()
+
+
+# -- what both endpoints do with the deltas -------------------------------------------------
+Choices = AsyncIterator[tuple[int, TextDelta]]
+
+
+@dataclass
+class Collected:
+    """A finished non-streaming request: per choice text, finish reason and logprobs."""
+
+    texts: list[str]
+    reasons: list[str | None]
+    logprobs: list[list[Logprobs]]
+    usage: dict[str, Any]
+
+
+async def collect(choices: Choices, n: int, num_prompt: int) -> Collected:
+    texts, reasons = [""] * n, [None] * n
+    lps: list[list[Logprobs]] = [[] for _ in range(n)]
+    completion_tokens, cached = 0, 0
+    async for i, delta in choices:
+        texts[i] += delta.text
+        completion_tokens += len(delta.token_ids)
+        cached = max(cached, delta.num_cached_tokens)
+        lps[i] += delta.logprobs or []
+        if delta.finished:
+            if delta.error:
+                raise APIError(500, delta.error)
+            reasons[i] = delta.finish_reason
+    return Collected(texts, reasons, lps, usage(num_prompt, completion_tokens, cached))
+
+
+async def stream_events(
+    choices: Choices,
+    num_prompt: int,
+    include_usage: bool,
+    chunk: Callable[..., str],
+    choice_of: Callable[[int, TextDelta], dict[str, Any]],
+    first: Iterable[str] = (),
+) -> AsyncIterator[str]:
+    """The SSE body: `first` events, then `chunk([choice_of(i, delta)])` for each delta that
+    carries text, logprobs or an end; a usage chunk if asked; errors in-band; then [DONE]."""
+    completion_tokens, cached = 0, 0
+    try:
+        for e in first:
+            yield e
+        async for i, delta in choices:
+            completion_tokens += len(delta.token_ids)
+            cached = max(cached, delta.num_cached_tokens)
+            if delta.error:
+                yield error_event(500, delta.error)
+                break
+            if delta.text or delta.finished or delta.logprobs:
+                yield chunk([choice_of(i, delta)])
+        if include_usage:
+            yield chunk([], usage=usage(num_prompt, completion_tokens, cached))
+    except EngineDeadError as exc:
+        yield error_event(503, f"The engine failed mid-stream: {exc}")
+    except Exception as exc:  # after the first byte an error can only go in-band
+        yield error_event(500, f"{type(exc).__name__}: {exc}")
+    yield DONE
+
+
+def usage(num_prompt: int, completion_tokens: int, cached: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": num_prompt,
+        "completion_tokens": completion_tokens,
+        "total_tokens": num_prompt + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }

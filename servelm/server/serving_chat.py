@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from servelm.engine.client import EngineDeadError
 from servelm.engine.outputs import Logprobs
 from servelm.server.errors import APIError
 from servelm.server.protocol import ChatCompletionRequest
-from servelm.server.serving import OpenAIServing, cancel_on_disconnect, new_id
-from servelm.server.sse import DONE, SSE_HEADERS, error_event, event
+from servelm.server.serving import (
+    OpenAIServing,
+    cancel_on_disconnect,
+    collect,
+    new_id,
+    stream_events,
+)
+from servelm.server.sse import SSE_HEADERS, event
 from servelm.text.chat_template import ChatTemplateError
 
 
@@ -64,20 +68,7 @@ class ServingChat(OpenAIServing):
         return entry
 
     async def _full(self, rid, created, model, n, num_prompt, choices) -> dict[str, Any]:
-        texts = [""] * n
-        reasons: list[str | None] = [None] * n
-        lps: list[list[dict[str, Any]] | None] = [None] * n
-        completion_tokens, cached = 0, 0
-        async for i, delta in choices:
-            texts[i] += delta.text
-            completion_tokens += len(delta.token_ids)
-            cached = max(cached, delta.num_cached_tokens)
-            if delta.logprobs:
-                lps[i] = (lps[i] or []) + [self._logprobs_entry(lp) for lp in delta.logprobs]
-            if delta.finished:
-                if delta.error:
-                    raise APIError(500, delta.error)
-                reasons[i] = delta.finish_reason
+        done = await collect(choices, n, num_prompt)
         return {
             "id": rid,
             "object": "chat.completion",
@@ -86,18 +77,19 @@ class ServingChat(OpenAIServing):
             "choices": [
                 {
                     "index": i,
-                    "message": {"role": "assistant", "content": texts[i]},
-                    "logprobs": {"content": lps[i]} if lps[i] is not None else None,
-                    "finish_reason": reasons[i],
+                    "message": {"role": "assistant", "content": done.texts[i]},
+                    "logprobs": self._logprobs(done.logprobs[i]) if done.logprobs[i] else None,
+                    "finish_reason": done.reasons[i],
                 }
                 for i in range(n)
             ],
-            "usage": usage(num_prompt, completion_tokens, cached),
+            "usage": done.usage,
         }
 
-    async def _stream(
-        self, rid, created, model, n, num_prompt, choices, include_usage
-    ) -> AsyncIterator[str]:
+    def _logprobs(self, lps: list[Logprobs]) -> dict[str, Any]:
+        return {"content": [self._logprobs_entry(lp) for lp in lps]}
+
+    def _stream(self, rid, created, model, n, num_prompt, choices, include_usage):
         def chunk(choice_list: list[dict[str, Any]], **extra: Any) -> str:
             return event(
                 {
@@ -110,49 +102,17 @@ class ServingChat(OpenAIServing):
                 }
             )
 
-        completion_tokens, cached = 0, 0
-        try:
-            for i in range(n):
-                yield chunk(
-                    [
-                        {
-                            "index": i,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    ]
-                )
-            async for i, delta in choices:
-                completion_tokens += len(delta.token_ids)
-                cached = max(cached, delta.num_cached_tokens)
-                if delta.error:
-                    yield error_event(500, delta.error)
-                    break
-                if not delta.text and not delta.finished and not delta.logprobs:
-                    continue
-                c: dict[str, Any] = {
-                    "index": i,
-                    "delta": {"content": delta.text} if delta.text else {},
-                    "logprobs": None,
-                    "finish_reason": delta.finish_reason,
-                }
-                if delta.logprobs:
-                    c["logprobs"] = {"content": [self._logprobs_entry(lp) for lp in delta.logprobs]}
-                yield chunk([c])
-            if include_usage:
-                yield chunk([], usage=usage(num_prompt, completion_tokens, cached))
-        except EngineDeadError as exc:
-            yield error_event(503, f"The engine failed mid-stream: {exc}")
-        except Exception as exc:  # after the first byte an error can only go in-band
-            yield error_event(500, f"{type(exc).__name__}: {exc}")
-        yield DONE
+        def choice_of(i: int, delta) -> dict[str, Any]:
+            return {
+                "index": i,
+                "delta": {"content": delta.text} if delta.text else {},
+                "logprobs": self._logprobs(delta.logprobs) if delta.logprobs else None,
+                "finish_reason": delta.finish_reason,
+            }
 
-
-def usage(num_prompt: int, completion_tokens: int, cached: int) -> dict[str, Any]:
-    return {
-        "prompt_tokens": num_prompt,
-        "completion_tokens": completion_tokens,
-        "total_tokens": num_prompt + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    }
+        role = {"role": "assistant", "content": ""}
+        first = (
+            chunk([{"index": i, "delta": role, "logprobs": None, "finish_reason": None}])
+            for i in range(n)
+        )
+        return stream_events(choices, num_prompt, include_usage, chunk, choice_of, first)

@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from servelm.engine.client import EngineDeadError
 from servelm.engine.outputs import Logprobs
 from servelm.server.errors import APIError
 from servelm.server.protocol import CompletionRequest
-from servelm.server.serving import OpenAIServing, cancel_on_disconnect, new_id
-from servelm.server.serving_chat import usage
-from servelm.server.sse import DONE, SSE_HEADERS, error_event, event
+from servelm.server.serving import (
+    OpenAIServing,
+    cancel_on_disconnect,
+    collect,
+    new_id,
+    stream_events,
+)
+from servelm.server.sse import SSE_HEADERS, event
 
 MAX_PROMPTS = 64
 
@@ -81,18 +84,7 @@ class ServingCompletion(OpenAIServing):
         }
 
     async def _full(self, rid, created, total, num_prompt, choices) -> dict[str, Any]:
-        texts, reasons = [""] * total, [None] * total
-        lps: list[list[Logprobs]] = [[] for _ in range(total)]
-        completion_tokens, cached = 0, 0
-        async for i, delta in choices:
-            texts[i] += delta.text
-            completion_tokens += len(delta.token_ids)
-            cached = max(cached, delta.num_cached_tokens)
-            lps[i] += delta.logprobs or []
-            if delta.finished:
-                if delta.error:
-                    raise APIError(500, delta.error)
-                reasons[i] = delta.finish_reason
+        done = await collect(choices, total, num_prompt)
         return {
             "id": rid,
             "object": "text_completion",
@@ -101,61 +93,39 @@ class ServingCompletion(OpenAIServing):
             "choices": [
                 {
                     "index": i,
-                    "text": texts[i],
-                    "finish_reason": reasons[i],
-                    "logprobs": self._logprobs(lps[i], 0) if lps[i] else None,
+                    "text": done.texts[i],
+                    "finish_reason": done.reasons[i],
+                    "logprobs": self._logprobs(done.logprobs[i], 0) if done.logprobs[i] else None,
                 }
                 for i in range(total)
             ],
-            "usage": usage(num_prompt, completion_tokens, cached),
+            "usage": done.usage,
         }
 
-    async def _stream(
-        self, rid, created, total, num_prompt, choices, include_usage
-    ) -> AsyncIterator[str]:
+    def _stream(self, rid, created, total, num_prompt, choices, include_usage):
         model = self.state.model_name
-        completion_tokens, cached = 0, 0
-        offsets = [0] * total
-        try:
-            async for i, delta in choices:
-                completion_tokens += len(delta.token_ids)
-                cached = max(cached, delta.num_cached_tokens)
-                if delta.error:
-                    yield error_event(500, delta.error)
-                    break
-                if not delta.text and not delta.finished and not delta.logprobs:
-                    continue
-                c = {
-                    "index": i,
-                    "text": delta.text,
-                    "finish_reason": delta.finish_reason,
-                    "logprobs": None,
+        offsets = [0] * total  # each choice's text so far, for the logprobs' text_offset
+
+        def chunk(choice_list: list[dict[str, Any]], **extra: Any) -> str:
+            return event(
+                {
+                    "id": rid,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": model,
+                    "choices": choice_list,
+                    **extra,
                 }
-                if delta.logprobs:
-                    c["logprobs"] = self._logprobs(delta.logprobs, offsets[i])
-                offsets[i] += len(delta.text)
-                yield event(
-                    {
-                        "id": rid,
-                        "object": "text_completion",
-                        "created": created,
-                        "model": model,
-                        "choices": [c],
-                    }
-                )
-            if include_usage:
-                yield event(
-                    {
-                        "id": rid,
-                        "object": "text_completion",
-                        "created": created,
-                        "model": model,
-                        "choices": [],
-                        "usage": usage(num_prompt, completion_tokens, cached),
-                    }
-                )
-        except EngineDeadError as exc:
-            yield error_event(503, f"The engine failed mid-stream: {exc}")
-        except Exception as exc:
-            yield error_event(500, f"{type(exc).__name__}: {exc}")
-        yield DONE
+            )
+
+        def choice_of(i: int, delta) -> dict[str, Any]:
+            lps = self._logprobs(delta.logprobs, offsets[i]) if delta.logprobs else None
+            offsets[i] += len(delta.text)
+            return {
+                "index": i,
+                "text": delta.text,
+                "finish_reason": delta.finish_reason,
+                "logprobs": lps,
+            }
+
+        return stream_events(choices, num_prompt, include_usage, chunk, choice_of)
