@@ -23,7 +23,7 @@ from itertools import compress
 from operator import attrgetter, mul
 
 from servelm.engine.outputs import ModelRunnerOutput, SchedulerOutput
-from servelm.sim.roofline import DeviceProfile, ModelCost, step_cost
+from servelm.sim.roofline import DeviceProfile, ModelCost, StepCost, step_cost
 
 DUMMY_TOKEN = 0  # never an EOS the simulator sets up; requests run to max_tokens
 _TOKEN_IDS = attrgetter("token_ids")
@@ -42,6 +42,19 @@ class StepComposition:
     attention_pairs: int = 0
     sampled_tokens: int = 0
     num_requests: int = 0
+
+    def priced(self, profile: DeviceProfile, cost: ModelCost) -> StepCost:
+        """What the roofline model says this step costs on `profile`."""
+        return step_cost(
+            profile,
+            cost,
+            self.prefill_tokens,
+            self.decode_tokens,
+            self.context_tokens_read,
+            self.attention_pairs,
+            self.sampled_tokens,
+            self.num_requests,
+        )
 
 
 @dataclass
@@ -72,16 +85,7 @@ class SimExecutor:
         if not step.num_requests:
             self.last_step_s = 0.0
             return ModelRunnerOutput(sampled)
-        cost = step_cost(
-            self.profile,
-            self.cost,
-            step.prefill_tokens,
-            step.decode_tokens,
-            step.context_tokens_read,
-            step.attention_pairs,
-            step.sampled_tokens,
-            step.num_requests,
-        )
+        cost = step.priced(self.profile, self.cost)
         self.last_step_s = cost.total_s
         totals = self.totals
         totals.steps += 1

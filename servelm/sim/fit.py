@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from servelm.sim.executor import StepComposition
-from servelm.sim.roofline import DeviceProfile, ModelCost, measured_profile, step_cost, step_time
+from servelm.sim.roofline import DeviceProfile, ModelCost, measured_profile
 
 _UNIT = measured_profile(1.0, 1.0)  # with unit rates, compute_s = FLOPs and memory_s = bytes
 _HUGE_RATE = 1e30  # a rate the fit found never binds
@@ -59,15 +59,7 @@ def _terms(points: Sequence[TimedStep], cost: ModelCost) -> tuple[np.ndarray, ..
     flops, nbytes, reqs, secs = [], [], [], []
     for p in points:
         s = p.step
-        c = step_cost(
-            _UNIT,
-            cost,
-            s.prefill_tokens,
-            s.decode_tokens,
-            s.context_tokens_read,
-            s.attention_pairs,
-            s.sampled_tokens,
-        )
+        c = s.priced(_UNIT, cost)
         flops.append(c.flops)
         nbytes.append(c.bytes)
         reqs.append(s.num_requests)
@@ -120,16 +112,7 @@ def fit_profile(
 
 def predict(profile: DeviceProfile, cost: ModelCost, step: StepComposition) -> float:
     """The simulator's time for a step of this composition."""
-    return step_time(
-        profile,
-        cost,
-        step.prefill_tokens,
-        step.decode_tokens,
-        step.context_tokens_read,
-        step.attention_pairs,
-        step.sampled_tokens,
-        step.num_requests,
-    )
+    return step.priced(profile, cost).total_s
 
 
 def relative_errors(
