@@ -25,7 +25,7 @@ from servelm.engine.sampling_params import MAX_LOGPROBS, InvalidParamError, Samp
 from servelm.server.errors import APIError
 from servelm.server.metrics import RequestTimer, ServerMetrics
 from servelm.server.protocol import SamplingFields
-from servelm.server.sse import DONE, error_event
+from servelm.server.sse import DONE, error_event, event
 
 
 @dataclass
@@ -214,6 +214,16 @@ async def collect(choices: Choices, n: int, num_prompt: int) -> Collected:
                 raise APIError(500, delta.error)
             reasons[i] = delta.finish_reason
     return Collected(texts, reasons, lps, usage(num_prompt, completion_tokens, cached))
+
+
+def chunk_writer(rid: str, object_name: str, created: int, model: str) -> Callable[..., str]:
+    """`chunk(choices, **extra)` -> one SSE event of a streamed response's chunk object."""
+
+    def chunk(choice_list: list[dict[str, Any]], **extra: Any) -> str:
+        body = {"id": rid, "object": object_name, "created": created, "model": model}
+        return event({**body, "choices": choice_list, **extra})
+
+    return chunk
 
 
 async def stream_events(

@@ -14,11 +14,12 @@ from servelm.server.protocol import ChatCompletionRequest
 from servelm.server.serving import (
     OpenAIServing,
     cancel_on_disconnect,
+    chunk_writer,
     collect,
     new_id,
     stream_events,
 )
-from servelm.server.sse import SSE_HEADERS, event
+from servelm.server.sse import SSE_HEADERS
 from servelm.text.chat_template import ChatTemplateError
 
 
@@ -90,17 +91,7 @@ class ServingChat(OpenAIServing):
         return {"content": [self._logprobs_entry(lp) for lp in lps]}
 
     def _stream(self, rid, created, model, n, num_prompt, choices, include_usage):
-        def chunk(choice_list: list[dict[str, Any]], **extra: Any) -> str:
-            return event(
-                {
-                    "id": rid,
-                    "object": "chat.completion.chunk",
-                    "created": created,
-                    "model": model,
-                    "choices": choice_list,
-                    **extra,
-                }
-            )
+        chunk = chunk_writer(rid, "chat.completion.chunk", created, model)
 
         def choice_of(i: int, delta) -> dict[str, Any]:
             return {

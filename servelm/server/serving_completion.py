@@ -14,11 +14,12 @@ from servelm.server.protocol import CompletionRequest
 from servelm.server.serving import (
     OpenAIServing,
     cancel_on_disconnect,
+    chunk_writer,
     collect,
     new_id,
     stream_events,
 )
-from servelm.server.sse import SSE_HEADERS, event
+from servelm.server.sse import SSE_HEADERS
 
 MAX_PROMPTS = 64
 
@@ -106,17 +107,7 @@ class ServingCompletion(OpenAIServing):
         model = self.state.model_name
         offsets = [0] * total  # each choice's text so far, for the logprobs' text_offset
 
-        def chunk(choice_list: list[dict[str, Any]], **extra: Any) -> str:
-            return event(
-                {
-                    "id": rid,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": model,
-                    "choices": choice_list,
-                    **extra,
-                }
-            )
+        chunk = chunk_writer(rid, "text_completion", created, model)
 
         def choice_of(i: int, delta) -> dict[str, Any]:
             lps = self._logprobs(delta.logprobs, offsets[i]) if delta.logprobs else None
