@@ -24,7 +24,7 @@ logger = logging.getLogger("servelm.engine")
 
 
 # How long an idle OpenMP thread spins before it sleeps (libgomp's default is 300,000).
-OPENMP_SPIN_COUNT = int(os.environ.get("SERVELM_OPENMP_SPIN", "30000"))
+OPENMP_SPIN_COUNT = 30_000
 
 
 def _short_openmp_spin() -> None:

@@ -22,7 +22,7 @@ from servelm.model.config import ModelSpec
 from servelm.model.layers.embedding import Embedding
 from servelm.model.layers.linear import Linear, LogitsHead, pack_linears_for_cpu
 from servelm.model.layers.norm import RMSNorm
-from servelm.model.layers.rotary import RotaryEmbedding
+from servelm.model.layers.rotary import RotaryEmbedding, apply_rotary
 from servelm.model.loader import PackedShards
 
 
@@ -53,14 +53,13 @@ class LlamaAttention(nn.Module):
         self,
         x: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
-        rope: RotaryEmbedding,
         attn: PagedAttention,
     ) -> torch.Tensor:
         T = x.shape[0]
         hq, hkv = self.num_heads, self.num_kv_heads
         # q, k and v heads are contiguous in the fused output: rotate q and k in one pass.
         qkv = self.qkv_proj(x).view(T, hq + 2 * hkv, self.head_dim)
-        qk = rope.apply(qkv[:, : hq + hkv], cos_sin)
+        qk = apply_rotary(qkv[:, : hq + hkv], cos_sin)
         out = attn(self.layer_idx, qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :])
         return self.o_proj(out.reshape(T, -1))
 
@@ -87,8 +86,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = LlamaMLP(spec)
 
-    def forward(self, x, cos_sin, rope, attn):
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, rope, attn)
+    def forward(self, x, cos_sin, attn):
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -133,7 +132,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         cos_sin = self.rope.lookup(positions)
         for layer in self.layers:
-            x = layer(x, cos_sin, self.rope, attn)
+            x = layer(x, cos_sin, attn)
         return self.norm(x)
 
     def prepare_for_inference(self) -> None:

@@ -55,8 +55,9 @@ class LogitsHead:
     """The output projection, which may share its weight with the token embedding."""
 
     def __init__(self, weight: torch.Tensor) -> None:
-        self.weight = weight
+        # Only the form that is used is kept (a tied embedding keeps its own reference).
         self.packed = _pack(weight) if can_pack(weight) else None
+        self.weight = weight if self.packed is None else None
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
@@ -64,11 +65,8 @@ class LogitsHead:
         return F.linear(hidden, self.weight)
 
 
-def pack_linears_for_cpu(model: nn.Module) -> int:
-    """Pack every `Linear` in `model`; returns how many were packed."""
-    count = 0
+def pack_linears_for_cpu(model: nn.Module) -> None:
+    """Pack every `Linear` in `model` whose weight gains from it."""
     for module in model.modules():
         if isinstance(module, Linear):
             module.pack_for_cpu()
-            count += module.packed is not None
-    return count

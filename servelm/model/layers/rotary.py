@@ -49,10 +49,10 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.half = head_dim // 2
+        half = head_dim // 2
         sin = emb.sin()
         # rotate_half(x) * sin == roll(x, half) * [-sin | sin]: the sign lives in the table.
-        sin[:, : self.half] = -sin[:, : self.half]
+        sin[:, :half] = -sin[:, :half]
         self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
         self.register_buffer("signed_sin", sin.to(dtype), persistent=False)
 
@@ -60,10 +60,12 @@ class RotaryEmbedding(nn.Module):
         """cos and signed sin of each token's position, [T, 1, D]: once per step, every layer."""
         return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
 
-    def apply(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """x: [T, H, D] (queries and keys side by side); rotates each token by its position.
 
-        Same operations and roundings as the reference's `x * cos + rotate_half(x) * sin`.
-        """
-        cos, signed_sin = cos_sin
-        return x * cos + torch.roll(x, self.half, dims=-1) * signed_sin
+def apply_rotary(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x: [T, H, D] (queries and keys side by side), cos_sin from `RotaryEmbedding.lookup`;
+    rotates each token by its position.
+
+    Same operations and roundings as the reference's `x * cos + rotate_half(x) * sin`.
+    """
+    cos, signed_sin = cos_sin
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
