@@ -97,6 +97,7 @@ def ensure_default_model(store_dir: str | Path | None = None) -> Path:
     folder = store.absolute() / DEFAULT_MODEL_NAME
     if is_complete(folder, DEFAULT_GGUF_SHA256):
         return folder
+    from servelm.store.gguf_import import import_gguf  # numpy + gguf: only when importing
 
     local = os.environ.get(DEFAULT_GGUF_ENV)
     if local:
@@ -104,8 +105,6 @@ def ensure_default_model(store_dir: str | Path | None = None) -> Path:
         if not gguf.is_file():
             raise FileNotFoundError(f"${DEFAULT_GGUF_ENV} points to a missing file: {gguf}")
         _check_pinned(gguf, f"${DEFAULT_GGUF_ENV}")
-        from servelm.store.gguf_import import import_gguf  # numpy + gguf: only when importing
-
         return import_gguf(gguf, folder)
 
     # Download next to the store rather than into /tmp: the store is where space was planned.
@@ -113,6 +112,4 @@ def ensure_default_model(store_dir: str | Path | None = None) -> Path:
     with tempfile.TemporaryDirectory(prefix=".download-", dir=store) as tmp:
         gguf = download_default_gguf(tmp)
         log.info("importing %s into %s", gguf.name, folder)
-        from servelm.store.gguf_import import import_gguf  # numpy + gguf: only when importing
-
         return import_gguf(gguf, folder)
