@@ -102,6 +102,20 @@ def test_a_long_stream_is_not_cut(front: Proc) -> None:
     assert (usage, finish) == (1000, "length")
 
 
+def wait_until_released(front: Proc, cluster: list[Proc]) -> None:
+    """The router no longer counts the request and the replica has aborted it."""
+    wait_for(
+        lambda: admin_replicas(front.url)[0]["in_flight"] == 0,
+        5,
+        "the router to release the replica",
+    )
+    wait_for(
+        lambda: scrape(cluster[0].url, "servelm:num_requests_running") == 0,
+        5,
+        "the replica to abort the request",
+    )
+
+
 def test_client_disconnect_frees_the_replica(front: Proc, cluster: list[Proc]) -> None:
     stream = client(front).completions.create(
         model=MODEL, prompt="bye", max_tokens=20000, stream=True, extra_body={"ignore_eos": True}
@@ -110,32 +124,14 @@ def test_client_disconnect_frees_the_replica(front: Proc, cluster: list[Proc]) -
         if i == 5:
             break
     stream.close()
-    wait_for(
-        lambda: admin_replicas(front.url)[0]["in_flight"] == 0,
-        5,
-        "the router to release the replica",
-    )
-    wait_for(
-        lambda: scrape(cluster[0].url, "servelm:num_requests_running") == 0,
-        5,
-        "the replica to abort the request",
-    )
+    wait_until_released(front, cluster)
 
 
 def test_client_giving_up_on_a_whole_answer_aborts_it(front: Proc, cluster: list[Proc]) -> None:
     body = {"model": MODEL, "prompt": "slow", "max_tokens": 20000, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(front.url + "/v1/completions", json=body, timeout=1.0)
-    wait_for(
-        lambda: admin_replicas(front.url)[0]["in_flight"] == 0,
-        5,
-        "the router to release the replica",
-    )
-    wait_for(
-        lambda: scrape(cluster[0].url, "servelm:num_requests_running") == 0,
-        5,
-        "the replica to abort the request",
-    )
+    wait_until_released(front, cluster)
 
 
 @pytest.mark.slow
