@@ -150,15 +150,23 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     head = ("conc", "ok", "fail", "req/s", "tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99")
     head += ("TPOT p50", "TPOT p99", "srv TTFT p50")
     widths = (5, 4, 5, 7, 7, 9, 9, 8, 8, 9, 9, 13)
-    print("".join(h.rjust(w) for h, w in zip(head, widths, strict=True)) + "   (ms)")
-    for r in rows:
-        cells = (
+    cells = [
+        (
             str(r["concurrency"]), str(r["completed"]), str(r["failed"]),
             f"{r['request_throughput']:.2f}", f"{r['output_throughput']:.1f}",
             ms(r["ttft_ms"]["p50"]), ms(r["ttft_ms"]["p99"]),
             ms(r["itl_ms"]["p50"]), ms(r["itl_ms"]["p99"]),
             ms(r["tpot_ms"]["p50"]), ms(r["tpot_ms"]["p99"]), ms(r["server_ttft_p50_ms"]),
-        )  # fmt: skip
+        )
+        for r in rows
+    ]  # fmt: skip
+    print_columns(head, widths, cells, "   (ms)")
+
+
+def print_columns(head, widths, rows, note: str = "") -> None:
+    """A right-aligned text table: a header line (plus `note`), then one line per row."""
+    print("".join(h.rjust(w) for h, w in zip(head, widths, strict=True)) + note)
+    for cells in rows:
         print("".join(c.rjust(w) for c, w in zip(cells, widths, strict=True)))
 
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.serve_latency import MODEL_NAME, Server, finite
+from benchmarks.serve_latency import MODEL_NAME, Server, finite, print_columns
 from servelm.bench import BenchConfig, Load, WorkloadSpec, run_benchmark
 
 WORKLOADS: dict[str, dict[str, Any]] = {
@@ -153,13 +153,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     head = ("workload", "ok", "fail", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99")
     widths = (16, 4, 5, 10, 10, 10, 10, 10)
-    print("".join(h.rjust(w) for h, w in zip(head, widths, strict=True)) + "   (ms)")
-    for r in rows:
-        cells = (
+    cells = [
+        (
             r["workload"], str(r["completed"]), str(r["failed"]), f"{r['output_throughput']:.1f}",
             *(f"{r[k][q]:.1f}" for k in ("ttft_ms", "tpot_ms") for q in ("p50", "p99")),
-        )  # fmt: skip
-        print("".join(c.rjust(w) for c, w in zip(cells, widths, strict=True)))
+        )
+        for r in rows
+    ]  # fmt: skip
+    print_columns(head, widths, cells, "   (ms)")
     by_name = {r["workload"]: r for r in rows}
     if "prefix-cache" in by_name and "no-prefix-cache" in by_name:
         on = by_name["prefix-cache"]["ttft_ms"]["p50"]
