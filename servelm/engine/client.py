@@ -66,10 +66,6 @@ class AsyncEngineClient:
         return len(self._queues)
 
     # -- life cycle -------------------------------------------------------------------------
-    async def start(self) -> EngineReady:
-        self.launch()
-        return await self.wait_ready()
-
     def launch(self) -> None:
         """Start the engine process; `wait_ready` then waits for its model to be loaded."""
         in_addr = f"ipc://{self._ipc_dir}/input"
