@@ -3,21 +3,28 @@
     .venv/bin/python benchmarks/sim_vs_bench.py                 # writes docs/planning/
     .venv/bin/python benchmarks/sim_vs_bench.py --profile docs/planning/cpu_profile.json
 
-1. `servelm simulate --calibrate` times the real engine in-process and fits a CPU profile
-   (skipped with --profile).
-2. `servelm serve` starts the default model on a free loopback port with the same torch thread
-   count the calibration used (the engine default: every core).
+1. `servelm serve` starts the default model on a free loopback port, with `--step-trace`.
+2. Calibration (default `--calibration serve`): `servelm bench` loads that server at
+   `--calibration-rates` with its own seed; `servelm simulate --calibrate-trace --calibrate-bench`
+   fits a CPU profile to the steps the server traced meanwhile, and the time a request spends
+   outside them to that bench run. (`--calibration inprocess` instead times the engine alone in
+   this process with `servelm simulate --calibrate`, and has no time outside steps; `--profile`
+   skips calibrating.)
 3. Three Poisson rates are picked ONCE from the simulator's capacity for that profile (requests/s
    at which p90 TTFT stays under --capacity-slo-ttft-ms): light, medium and near capacity.
-4. `servelm bench` measures the server at those rates; `servelm simulate --profile` simulates
-   the same workload, rates, request counts and engine settings (KV blocks read from the
-   server's /metrics, max-num-seqs, max-num-batched-tokens, block size, prefix caching, one
-   replica).
+4. `servelm bench` measures the server at those rates (new seed, new prompts). With serve
+   calibration, a second calibration pass (a third seed) follows, and the profile is refitted
+   to both passes: a shared machine drifts by 10-30 % within minutes, and calibrating on both
+   sides of the measured runs lets the drift weigh on the profile from both sides.
+   `servelm simulate --profile` then simulates the same workload, rates, request counts and
+   engine settings (KV blocks read from the server's /metrics, max-num-seqs,
+   max-num-batched-tokens, block size, prefix caching, one replica).
 5. Prints rate | real/sim TTFT p50 | error | real/sim TPOT p50 | error, writes
    sim_vs_bench.json, bench.json, sim.json and overlay plots (servelm bench's plot function
    with both result files) into --out-dir.
 
-Nothing is tuned per rate: one calibration, one set of engine settings, three rates.
+Nothing is tuned per rate, and nothing is fitted to the measured runs: one calibration on its
+own load, one set of engine settings, three rates.
 Prefix caching is off on both sides: bench prompts are random, so it would not hit anyway,
 and turning it off removes one difference between the two engines.
 """
@@ -64,6 +71,12 @@ def server_num_blocks(server: LiveServer) -> int:
     raise RuntimeError("server /metrics has no cache_config_info with num_gpu_blocks")
 
 
+def traced_lines(trace: Path) -> list[str]:
+    """The complete lines of a step trace the server is still appending to."""
+    text = trace.read_text() if trace.exists() else ""
+    return text.splitlines(keepends=True)[: text.count("\n")]
+
+
 def p50(run: dict, metric: str) -> float | None:
     return (run["summary"].get(metric) or {}).get("p50")
 
@@ -76,7 +89,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out-dir", default=str(ROOT / "docs" / "planning"))
     ap.add_argument("--profile", help="use this calibrated profile instead of calibrating")
-    ap.add_argument("--calibrate-seconds", type=float, default=60.0)
+    ap.add_argument("--calibration", choices=("serve", "inprocess"), default="serve",
+                    help="fit to a loaded server's step trace (default) or time the engine "
+                    "alone in this process")  # fmt: skip
+    ap.add_argument("--calibration-rates", default="1,3,5,7",
+                    help="req/s of the calibration load (serve): from light load to about capacity")  # fmt: skip
+    ap.add_argument("--calibration-requests", type=int, default=32, help="per calibration rate")
+    ap.add_argument("--calibrate-seconds", type=float, default=60.0, help="inprocess only")
     ap.add_argument(
         "--calibrate-clock",
         choices=("wall", "cpu"),
@@ -85,7 +104,7 @@ def main() -> int:
     )
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=32)
-    ap.add_argument("--num-requests", type=int, default=32, help="per rate")
+    ap.add_argument("--num-requests", type=int, default=48, help="per rate")
     ap.add_argument("--warmup", type=int, default=2, help="uncounted bench requests per rate")
     ap.add_argument("--rates", help="comma list; default: 0.25, 0.55, 0.85 x simulated capacity")
     ap.add_argument("--fractions", default="0.25,0.55,0.85", help="of the simulated capacity")
@@ -107,42 +126,68 @@ def main() -> int:
     log.write_text("")
     model_dir = ensure_default_model()
 
-    # 1. calibrate (the in-process engine uses the engine's default thread count, every core)
-    if args.profile:
-        profile = Path(args.profile)
-    else:
-        profile = out / "cpu_profile.json"
-        sh([*SERVELM, "simulate", "--calibrate", "--profile-out", str(profile),
-            "--calibrate-seconds", f"{args.calibrate_seconds:g}",
-            "--calibrate-clock", args.calibrate_clock], log)  # fmt: skip
-    fit = json.loads(profile.read_text())
-    cal_threads = fit.get("fit", {}).get("torch_threads")
-    if cal_threads is not None and cal_threads != args.num_threads:
-        print(f"warning: calibration used {cal_threads} torch threads, server {args.num_threads}")
-    t_cal = time.perf_counter()
-
     workload = ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
     engine = ["--max-num-seqs", str(args.max_num_seqs),
               "--max-num-batched-tokens", str(args.max_num_batched_tokens),
               "--block-size", str(args.block_size)]  # fmt: skip
+    trace = out / "step_trace.jsonl"
+    trace.unlink(missing_ok=True)
 
-    # 2. the real server
+    # 1. the real server, tracing its steps
     server = LiveServer(
         model_dir, *engine, "--num-threads", str(args.num_threads), "--no-prefix-caching",
-        "--log-level", "warning", startup_timeout=300,
+        "--step-trace", str(trace), "--log-level", "warning", startup_timeout=300,
     )  # fmt: skip
     try:
         num_blocks = server_num_blocks(server)
         sim_engine = [*engine, "--num-blocks", str(num_blocks), "--no-prefix-caching",
-                      "--replicas", "1", "--profile", str(profile)]  # fmt: skip
+                      "--replicas", "1"]  # fmt: skip
+
+        def bench(name: str, sweep: str, requests: int, seed: int) -> Path:
+            path = out / name
+            sh([*SERVELM, "bench", "--base-url", server.url, "--endpoint", "completions",
+                *workload, "--sweep-rate", sweep, "--num-requests", str(requests),
+                "--warmup", str(args.warmup), "--seed", str(seed), "--slo-ttft-ms", "0",
+                "--slo-tpot-ms", "0", "--out", str(path)], log)  # fmt: skip
+            return path
+
+        def calibration_pass(i: int) -> tuple[Path, Path]:
+            """A calibration load, its bench results and the steps it traced."""
+            start = len(traced_lines(trace))
+            results = bench(f"calibration_bench_{i}.json", args.calibration_rates,
+                            args.calibration_requests, args.seed + 1000 * i)  # fmt: skip
+            steps = out / f"calibration_trace_{i}.jsonl"
+            steps.write_text("".join(traced_lines(trace)[start:]))
+            return steps, results
+
+        def fit(passes: list[tuple[Path, Path]]) -> None:
+            files = [arg for steps, results in passes for arg in
+                     ("--calibrate-trace", str(steps), "--calibrate-bench", str(results))]  # fmt: skip
+            sh([*SERVELM, "simulate", *sim_engine, *files, "--profile-out", str(profile)], log)
+
+        # 2. calibrate
+        profile = Path(args.profile) if args.profile else out / "cpu_profile.json"
+        passes = []
+        if args.profile:
+            pass  # calibrated before
+        elif args.calibration == "inprocess":
+            sh([*SERVELM, "simulate", "--calibrate", "--profile-out", str(profile),
+                "--calibrate-seconds", f"{args.calibrate_seconds:g}",
+                "--calibrate-clock", args.calibrate_clock], log)  # fmt: skip
+        else:
+            passes.append(calibration_pass(1))
+            fit(passes)
+        profile_args = ["--profile", str(profile)]
+        t_cal = time.perf_counter()
 
         # 3. rates from the simulator's capacity for this profile (one estimate, all rates)
         if args.rates:
             rates = [float(r) for r in args.rates.split(",")]
             capacity = None
         else:
-            text = sh([*SERVELM, "simulate", *sim_engine, *workload, "--find-capacity",
-                       "--num-requests", "400", "--slo-ttft-ms", f"{args.capacity_slo_ttft_ms:g}",
+            text = sh([*SERVELM, "simulate", *sim_engine, *profile_args, *workload,
+                       "--find-capacity", "--num-requests", "400",
+                       "--slo-ttft-ms", f"{args.capacity_slo_ttft_ms:g}",
                        "--slo-threshold", "0.9"], log)  # fmt: skip
             m = re.search(r"capacity of one replica: ([\d.]+) req/s", text)
             if not m:
@@ -153,18 +198,25 @@ def main() -> int:
         print(f"KV blocks {num_blocks}; simulated capacity {capacity} req/s; rates {sweep}")
 
         # 4a. measure
-        bench_json = out / "bench.json"
-        sh([*SERVELM, "bench", "--base-url", server.url, "--endpoint", "completions",
-            *workload, "--sweep-rate", sweep, "--num-requests", str(args.num_requests),
-            "--warmup", str(args.warmup), "--seed", str(args.seed), "--slo-ttft-ms", "0",
-            "--slo-tpot-ms", "0", "--out", str(bench_json)], log)  # fmt: skip
+        bench_json = bench("bench.json", sweep, args.num_requests, args.seed)
+        t_bench = time.perf_counter()
+
+        # 2b. calibrate again, after the measured runs, and fit both passes: the machine's
+        # drift over the measured runs then weighs on the profile from both sides
+        if passes:
+            passes.append(calibration_pass(2))
+            fit(passes)
     finally:
         server.stop()
-    t_bench = time.perf_counter()
+        trace.unlink(missing_ok=True)  # the measured runs' steps: not used, not kept
+    fit_report = json.loads(profile.read_text())
+    cal_threads = fit_report.get("fit", {}).get("torch_threads")
+    if cal_threads is not None and cal_threads != args.num_threads:
+        print(f"warning: calibration used {cal_threads} torch threads, server {args.num_threads}")
 
     # 4b. simulate the same levels
     sim_json = out / "sim.json"
-    sh([*SERVELM, "simulate", *sim_engine, *workload, "--sweep-rate", sweep,
+    sh([*SERVELM, "simulate", *sim_engine, *profile_args, *workload, "--sweep-rate", sweep,
         "--num-requests", str(args.num_requests), "--seed", str(args.seed),
         "--slo-ttft-ms", "0", "--out", str(sim_json)], log)  # fmt: skip
 
@@ -208,8 +260,10 @@ def main() -> int:
         "machine": f"{os.cpu_count()}-core CPU",
         "model": str(model_dir),
         "profile": str(profile),
-        "calibrate_clock": None if args.profile else args.calibrate_clock,
-        "profile_fit": fit,
+        "calibration": None if args.profile else args.calibration,
+        "calibration_rates": args.calibration_rates if args.calibration == "serve" else None,
+        "calibrate_clock": args.calibrate_clock if args.calibration == "inprocess" else None,
+        "profile_fit": fit_report,
         "workload": {
             "input_len": args.input_len,
             "output_len": args.output_len,
@@ -233,9 +287,9 @@ def main() -> int:
             r[m]["within_25pct"] for r in rows for m in ("ttft_ms", "tpot_ms")
         ),
         "seconds": {
-            "calibrate": t_cal - t_start,
-            "serve_and_bench": t_bench - t_cal,
-            "simulate_and_report": t_end - t_bench,
+            "start_and_calibrate": t_cal - t_start,
+            "measure": t_bench - t_cal,
+            "calibrate_again_simulate_and_report": t_end - t_bench,
             "total": t_end - t_start,
         },  # fmt: skip
         "table_markdown": table,

@@ -50,6 +50,7 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     seed: int = 0
     num_threads: int | None = None  # torch CPU threads; None = every core
+    step_trace: str | None = None  # append one JSON line per engine step to this file
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
@@ -90,6 +91,13 @@ class EngineArgs:
             type=int,
             default=None,
             help="CPU threads for torch (default: every core)",
+        )
+        g.add_argument(
+            "--step-trace",
+            default=None,
+            metavar="FILE",
+            help="append one JSON line per engine step (what it computed, how long it took); "
+            "`servelm simulate --calibrate-trace FILE` fits a profile to it",
         )
 
     @classmethod

@@ -19,6 +19,7 @@ import zmq
 from servelm.config import EngineArgs
 from servelm.engine.messages import EngineCoreOutputs, EngineReady, decode, encode
 from servelm.engine.request import Request
+from servelm.engine.step_trace import StepRecorder, StepTraceWriter
 
 logger = logging.getLogger("servelm.engine")
 
@@ -74,7 +75,11 @@ def run_engine_core(
                 ),
             )
         )
-        _loop(core, inputs, outputs)
+        trace = None
+        if args.step_trace:
+            core.executor = recorder = StepRecorder(core.executor)
+            trace = StepTraceWriter(args.step_trace, recorder)
+        _loop(core, inputs, outputs, trace)
     except Exception as exc:  # report, then die: the API process turns this into errors + 503
         logger.exception("engine core failed")
         outputs.send(encode("error", f"{type(exc).__name__}: {exc}"))
@@ -85,7 +90,9 @@ def run_engine_core(
         ctx.term()
 
 
-def _loop(core, inputs: zmq.Socket, outputs: zmq.Socket) -> None:
+def _loop(
+    core, inputs: zmq.Socket, outputs: zmq.Socket, trace: StepTraceWriter | None = None
+) -> None:
     poller = zmq.Poller()
     poller.register(inputs, zmq.POLLIN)
     parent = os.getppid()
@@ -96,6 +103,7 @@ def _loop(core, inputs: zmq.Socket, outputs: zmq.Socket) -> None:
         busy = core.has_unfinished_requests()
         # Block only when idle; otherwise just drain what is already there.
         events = dict(poller.poll(timeout=0 if busy else 1000))
+        t0 = time.perf_counter()  # a traced step is timed from here: draining inputs is part of it
         aborted = []
         changed = False
         while inputs in events or inputs.poll(0):
@@ -111,6 +119,8 @@ def _loop(core, inputs: zmq.Socket, outputs: zmq.Socket) -> None:
         if core.has_unfinished_requests():
             step_outputs, stats = core.step()
             outputs.send(encode("step", EngineCoreOutputs(aborted + step_outputs, stats)))
+            if trace is not None:
+                trace.write(time.perf_counter() - t0)
         elif changed:
             # Idle after aborts: report it, so gauges (running, KV usage) drop at once.
             outputs.send(encode("step", EngineCoreOutputs(aborted, core.scheduler.make_stats())))

@@ -18,19 +18,27 @@ Prompts are random ids so the prefix cache never shortens a prefill.
 from __future__ import annotations
 
 import random
+import statistics
 import time
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
+from servelm.bench.results import Load
+from servelm.bench.workload import WorkloadSpec
 from servelm.engine.core import EngineCore
-from servelm.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from servelm.engine.request import Request
 from servelm.engine.sampling_params import SamplingParams
+from servelm.engine.step_trace import StepComposition, StepRecorder, read_step_trace
 from servelm.planner.shapes import shape_from_folder
-from servelm.sim.executor import StepComposition, compose
+from servelm.sim.config import SimConfig, device_profile
 from servelm.sim.fit import TimedStep, fit_profile, relative_errors
 from servelm.sim.profiles import ProfileFile
 from servelm.sim.roofline import ModelCost
+from servelm.sim.sweep import run_sweep
+
+LISTED_POINTS = 40  # a profile file lists each timed step only up to this many
 
 # (kind, size, context): prefill size = prompt tokens; decode size = batch, context = prompt.
 FIT_SHAPES = [
@@ -60,18 +68,6 @@ class Calibration:
     seconds: float = 0.0
 
 
-class _Recorder:
-    """Wraps the real executor to note what each step computed."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.last = StepComposition()
-
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self.last = compose(scheduler_output)
-        return self.inner.execute(scheduler_output)
-
-
 class _Bench:
     """Builds batches on one engine and times its steps."""
 
@@ -87,7 +83,7 @@ class _Bench:
         self.wall_s = self.cpu_s = 0.0  # totals over timed steps, for the report
         self.rng = random.Random(seed)
         self.count = 0
-        self.recorder = _Recorder(engine.executor)
+        self.recorder = StepRecorder(engine.executor)
         engine.executor = self.recorder
 
     def _add(self, prompt_len: int, max_tokens: int) -> str:
@@ -185,24 +181,101 @@ def calibrate(
     llm.engine.check_integrity()
     fitted = [best[i] for i, (_, fit) in enumerate(plan) if fit]
     held = [best[i] for i, (_, fit) in enumerate(plan) if not fit]
-    profile = fit_profile(fitted, cost, name=f"cpu fitted on {shape.name}")
+    report = {"rounds": done, "clock": clock, "torch_threads": bench.threads,
+              "timed_wall_s": bench.wall_s, "timed_cpu_s": bench.cpu_s}  # fmt: skip
+    return _fit(
+        fitted, held, cost, f"cpu fitted on {shape.name}", str(llm.info.model_dir), report, t0
+    )
+
+
+def calibrate_from_trace(
+    traces: str | Path | Sequence[str | Path], model: str | None = None, hold_out_every: int = 4
+) -> Calibration:
+    """Fit a profile to the steps a real server traced (`servelm serve --step-trace FILE`).
+
+    Unlike `calibrate`, whose steps run alone in this process, these are the steps of a server
+    under load: the API process tokenizing, streaming and detokenizing on the same cores is in
+    their time, as it will be when the simulated deployment is served. Every `hold_out_every`-th
+    step is held out of the fit and judged. `model` is the served model's folder or name
+    (None: the default model); no weights are loaded.
+    """
+    from servelm.config import EngineArgs
+    from servelm.store.fetch import resolve_model_dir
+
+    t0 = time.perf_counter()
+    model_dir = resolve_model_dir(EngineArgs(model=model))
+    shape = shape_from_folder(model_dir)
+    paths = [traces] if isinstance(traces, str | Path) else list(traces)
+    steps = [TimedStep(step, s) for path in paths for step, s in read_step_trace(path)]
+    held = steps[hold_out_every - 1 :: hold_out_every]
+    fitted = [p for i, p in enumerate(steps) if (i + 1) % hold_out_every]
+    report = {"traces": [str(p) for p in paths], "steps": len(steps), "clock": "wall (server loop)"}
+    cost = ModelCost.from_shape(shape)
+    name = f"cpu fitted on {shape.name} (server trace)"
+    # Least squares on seconds: a simulated run's time is the sum of its steps, so the many
+    # short decode steps and the few long prefills should add up to what was traced.
+    return _fit(fitted, held, cost, name, str(model_dir), report, t0, relative=False)
+
+
+def fit_frontend_latency(
+    config: SimConfig, benches: dict[str, Any] | Sequence[dict[str, Any]]
+) -> float:
+    """What a server adds outside its engine steps, in seconds, from `servelm bench` results.
+
+    `benches` are the bench results (`servelm bench --out`) of the traced runs and `config` the
+    deployment as simulated, with the profile fitted to those traces: each bench level is
+    simulated with the same workload, request count and seed, and the answer is the median over
+    levels of real TTFT p50 minus simulated TTFT p50 (never below zero). The steps are already
+    priced as traced, so what remains is the request's way in and its first token's way out.
+    """
+    profile = replace(device_profile(config), frontend_latency_s=0.0)
+    gaps = []
+    for bench in [benches] if isinstance(benches, dict) else benches:
+        run_cfg = bench["config"]
+        level_config = config.with_(
+            profile=profile,
+            workload=WorkloadSpec(**run_cfg["workload"]),
+            num_requests=run_cfg["num_requests"],
+            seed=run_cfg["seed"],
+            replicas=1,
+        )
+        loads = [Load.from_dict(run["load"]) for run in bench["runs"]]
+        simulated = run_sweep(level_config, loads).runs
+        for real, sim in zip(bench["runs"], simulated, strict=True):
+            real_p50 = (real["summary"].get("ttft_ms") or {}).get("p50")
+            sim_p50 = (sim.summary.get("ttft_ms") or {}).get("p50")
+            if real_p50 is not None and sim_p50 is not None:
+                gaps.append((real_p50 - sim_p50) / 1000)
+    if not gaps:
+        raise ValueError("the bench results have no level with a TTFT p50")
+    return max(0.0, statistics.median(gaps))
+
+
+def _fit(
+    fitted: list[TimedStep],
+    held: list[TimedStep],
+    cost: ModelCost,
+    name: str,
+    model_dir: str,
+    report: dict[str, Any],
+    t0: float,
+    relative: bool = True,
+) -> Calibration:
+    profile = fit_profile(fitted, cost, name=name, relative=relative)
     errors = relative_errors(profile, cost, held)
     fit_errors = relative_errors(profile, cost, fitted)
     report = {
         "cost_model": cost.name,
-        "rounds": done,
-        "clock": clock,
-        "torch_threads": bench.threads,
-        "timed_wall_s": bench.wall_s,
-        "timed_cpu_s": bench.cpu_s,
-        "points": [_point(p, e) for p, e in zip(fitted, fit_errors, strict=True)],
-        "held_out": [_point(p, e) for p, e in zip(held, errors, strict=True)],
+        **report,
+        "fit_errors": _spread(fit_errors),
+        "held_out_errors": _spread(errors),
         "max_abs_held_out_error": max((abs(e) for e in errors), default=None),
     }
+    if len(fitted) + len(held) <= LISTED_POINTS:  # a trace's thousand steps: the spread only
+        report["points"] = [_point(p, e) for p, e in zip(fitted, fit_errors, strict=True)]
+        report["held_out"] = [_point(p, e) for p, e in zip(held, errors, strict=True)]
     elapsed = time.perf_counter() - t0
-    return Calibration(
-        ProfileFile(profile, str(llm.info.model_dir), report), fitted, held, errors, elapsed
-    )
+    return Calibration(ProfileFile(profile, model_dir, report), fitted, held, errors, elapsed)
 
 
 def _interleave(
@@ -214,6 +287,14 @@ def _interleave(
         out += [(fit[i], True)] if i < len(fit) else []
         out += [(held[i], False)] if i < len(held) else []
     return out
+
+
+def _spread(errors: list[float]) -> dict[str, float] | None:
+    """Median and 10th / 90th percentiles of relative errors."""
+    if len(errors) < 2:
+        return None
+    deciles = statistics.quantiles(errors, n=10)
+    return {"median": statistics.median(errors), "p10": deciles[0], "p90": deciles[-1]}
 
 
 def _point(p: TimedStep, error: float) -> dict[str, Any]:

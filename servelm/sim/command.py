@@ -5,6 +5,8 @@ servelm simulate --preset rag --find-capacity --replicas 2 --policy least-loaded
 servelm simulate --target-rate 100 --out sim.json --plot plots/
 servelm simulate --calibrate --profile-out cpu.json     # time this machine's real engine
 servelm simulate --profile cpu.json --rate 1             # simulate with the fitted profile
+servelm simulate --calibrate-trace steps.jsonl --calibrate-bench bench.json --num-blocks N
+                                  # fit to a real server's steps (serve --step-trace) and bench
 
 Exit status: 0 on success, 2 on bad arguments or an unknown model / GPU / profile file.
 """
@@ -12,7 +14,11 @@ Exit status: 0 on success, 2 on bad arguments or an unknown model / GPU / profil
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import statistics
+from dataclasses import replace
+from pathlib import Path
 
 from rich.console import Console
 
@@ -91,6 +97,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="time steps by wall time (default) or CPU time / threads (for a "
                      "shared machine; undercounts multi-threaded steps)")  # fmt: skip
     cal.add_argument("--calibrate-model", help="model folder to time (default: default model)")
+    cal.add_argument("--calibrate-trace", metavar="FILE", action="append",
+                     help="fit to the steps a loaded server traced (`servelm serve --step-trace "
+                     "FILE`) instead of timing steps in this process; repeat to fit several")  # fmt: skip
+    cal.add_argument("--calibrate-bench", metavar="FILE", action="append",
+                     help="with --calibrate-trace: `servelm bench --out` results of the traced "
+                     "runs, to fit the server's latency outside engine steps (repeatable); pass "
+                     "the server's engine settings (--num-blocks, --max-num-seqs, ...) as well")  # fmt: skip
 
 
 def config_from_args(args: argparse.Namespace, profile_model: str | None = None) -> SimConfig:
@@ -147,7 +160,9 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     try:
         profile_model = _profile_from_args(args, console)
-        if args.calibrate and not (args.rate or args.sweep_rate or args.find_capacity):
+        if (args.calibrate or args.calibrate_trace) and not (
+            args.rate or args.sweep_rate or args.find_capacity
+        ):
             return 0
         config = config_from_args(args, profile_model)
         deployment = resolve(config)
@@ -196,20 +211,31 @@ def run(args: argparse.Namespace) -> int:
 
 def _profile_from_args(args: argparse.Namespace, console: Console) -> str | None:
     """Calibrate or load a profile into `args.loaded_profile`; return its model, if any."""
-    if args.calibrate:
-        from servelm.sim.calibrate import calibrate  # torch: only when asked
+    if args.calibrate or args.calibrate_trace:
+        from servelm.sim import calibrate as calib  # torch (for --calibrate): only when asked
 
-        console.print(f"calibrating for up to {args.calibrate_seconds:g} s (plus model load)...")
-        cal = calibrate(
-            args.calibrate_model, budget_s=args.calibrate_seconds, clock=args.calibrate_clock
-        )
-        cal.profile_file.write(args.profile_out)
+        if args.calibrate_trace:
+            cal = calib.calibrate_from_trace(args.calibrate_trace, args.calibrate_model)
+        else:
+            console.print(
+                f"calibrating for up to {args.calibrate_seconds:g} s (plus model load)..."
+            )
+            cal = calib.calibrate(
+                args.calibrate_model, budget_s=args.calibrate_seconds, clock=args.calibrate_clock
+            )
         p = cal.profile_file.profile
+        if args.calibrate_bench:
+            benches = [json.loads(Path(f).read_text()) for f in args.calibrate_bench]
+            args.loaded_profile = p
+            config = config_from_args(args, cal.profile_file.model)
+            p = replace(p, frontend_latency_s=calib.fit_frontend_latency(config, benches))
+            cal.profile_file.profile = p
+        cal.profile_file.write(args.profile_out)
         console.print(
-            f"fitted {p.peak_flops / 1e9:.1f} GFLOP/s, {p.mem_bandwidth / 1e9:.2f} GB/s, "
+            f"fitted {p.peak_flops / 1e9:.1f} GFLOP/s, {_bandwidth(p.mem_bandwidth)}, "
             f"{p.step_overhead_s * 1e3:.1f} ms per step, {p.per_request_s * 1e3:.2f} ms per "
-            f"request; held-out errors "
-            + ", ".join(f"{e:+.0%}" for e in cal.held_out_errors)
+            f"request, {p.frontend_latency_s * 1e3:.1f} ms outside steps; held-out errors "
+            + _errors(cal.held_out_errors)
             + f"; wrote {args.profile_out}",
             highlight=False,
         )
@@ -220,6 +246,18 @@ def _profile_from_args(args: argparse.Namespace, console: Console) -> str | None
         args.loaded_profile = loaded.profile
         return loaded.model
     return None
+
+
+def _bandwidth(rate: float) -> str:
+    return "no memory bound" if rate >= 1e29 else f"{rate / 1e9:.2f} GB/s"  # fit's "never binds"
+
+
+def _errors(errors: list[float]) -> str:
+    """Relative errors: each of a few, or the median and 10th-90th percentiles of many."""
+    if len(errors) <= 12:
+        return ", ".join(f"{e:+.0%}" for e in errors)
+    q = statistics.quantiles(errors, n=10)
+    return f"median {statistics.median(errors):+.0%} ({q[0]:+.0%} to {q[-1]:+.0%}, p10-p90)"
 
 
 def _slo(config: SimConfig) -> str:

@@ -7,7 +7,9 @@ The roofline prices a step as
 which is linear in (a, b, c, d) once each point's bound (compute or memory) is fixed. The fit
 alternates: assign each point the bound the current estimate gives it, solve the weighted
 nonnegative least squares for (a, b, c, d), repeat until the assignment stops changing. Weights
-are 1/t, so the error minimised is relative (a 50 ms step matters as much as a 2 s one).
+are 1/t by default, so the error minimised is relative (a 50 ms step matters as much as a 2 s
+one: right for a few hand-picked shapes); a server's trace of a thousand steps is fitted on
+seconds instead, so that their sum, a simulated run's duration, comes out right.
 Starting points: the additive model (a FLOPs + b bytes), all compute-bound, all memory-bound;
 the best final fit wins. FLOPs and bytes come from `roofline.step_cost` itself, so the fit and
 the simulator can never disagree on what a step costs.
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from servelm.sim.executor import StepComposition
+from servelm.sim.executor import StepComposition, price
 from servelm.sim.roofline import DeviceProfile, ModelCost, measured_profile
 
 _UNIT = measured_profile(1.0, 1.0)  # with unit rates, compute_s = FLOPs and memory_s = bytes
@@ -59,7 +61,7 @@ def _terms(points: Sequence[TimedStep], cost: ModelCost) -> tuple[np.ndarray, ..
     flops, nbytes, reqs, secs = [], [], [], []
     for p in points:
         s = p.step
-        c = s.priced(_UNIT, cost)
+        c = price(s, _UNIT, cost)
         flops.append(c.flops)
         nbytes.append(c.bytes)
         reqs.append(s.num_requests)
@@ -68,22 +70,27 @@ def _terms(points: Sequence[TimedStep], cost: ModelCost) -> tuple[np.ndarray, ..
 
 
 def fit_profile(
-    points: Sequence[TimedStep], cost: ModelCost, name: str = "cpu (fitted)"
+    points: Sequence[TimedStep],
+    cost: ModelCost,
+    name: str = "cpu (fitted)",
+    relative: bool = True,
 ) -> DeviceProfile:
-    """The measured profile whose roofline best matches `points` (relative least squares)."""
+    """The measured profile whose roofline best matches `points`: least squares on relative
+    errors (each step counts alike), or with `relative=False` on seconds (each second counts
+    alike, so the summed time of many steps comes out right)."""
     if len(points) < 4:
         raise ValueError(f"need at least 4 timed steps to fit 4 terms, got {len(points)}")
     flops, nbytes, reqs, t = _terms(points, cost)
-    w = 1.0 / t
+    w = 1.0 / t if relative else np.full_like(t, 1.0 / np.median(t))
     ones = np.ones_like(t)
 
     def solve(compute: np.ndarray) -> np.ndarray:
         a = np.column_stack([flops * compute, nbytes * ~compute, ones, reqs]) * w[:, None]
         return nnls(a, t * w)
 
-    def rel_error(x: np.ndarray) -> float:
+    def error(x: np.ndarray) -> float:  # what the weighted least squares minimises
         pred = np.maximum(x[0] * flops, x[1] * nbytes) + x[2] + x[3] * reqs
-        return float(np.sqrt(np.mean(((pred - t) / t) ** 2)))
+        return float(np.sqrt(np.mean(((pred - t) * w) ** 2)))
 
     additive = nnls(np.column_stack([flops, nbytes, ones, reqs]) * w[:, None], t * w)
     starts = [additive[0] * flops >= additive[1] * nbytes, np.ones(len(t), bool)]
@@ -97,7 +104,7 @@ def fit_profile(
                 break
             compute = bound
             x = solve(compute)
-        err = rel_error(x)
+        err = error(x)
         if err < best_err:
             best, best_err = x, err
     a, b, c, d = (float(v) for v in best)
@@ -112,7 +119,7 @@ def fit_profile(
 
 def predict(profile: DeviceProfile, cost: ModelCost, step: StepComposition) -> float:
     """The simulator's time for a step of this composition."""
-    return step.priced(profile, cost).total_s
+    return price(step, profile, cost).total_s
 
 
 def relative_errors(

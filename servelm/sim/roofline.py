@@ -71,6 +71,9 @@ class DeviceProfile:
     per_request_s: float = 0.0  # extra seconds per scheduled request in a step (host work)
     # fraction of peak_flops the attention kernels sustain (0-1]; None: compute_efficiency
     attention_efficiency: float | None = None
+    # seconds a request spends outside the engine's steps before the client sees a token
+    # (HTTP, tokenizing, IPC both ways, detokenizing, streaming): added to TTFT and e2e
+    frontend_latency_s: float = 0.0
 
     def effective_flops(self) -> float:
         return self.peak_flops * self.compute_efficiency

@@ -9,7 +9,8 @@ arrivals (known up front) and steps. The loop repeatedly takes the earlier of
     smallest free_at               priced time, and its tokens appear at the step's end
 
 An arrival at exactly a step's start joins that step. Tokens a step samples are stamped with
-the step's end: TTFT = first token - arrival, e2e = last token - arrival. Routing sees each
+the step's end, plus the profile's `frontend_latency_s` (the time outside the engine's steps
+that a server adds): TTFT = first token - arrival, e2e = last token - arrival. Routing sees each
 replica as of its latest step, whose results count as done even while it is still running.
 """
 
@@ -241,7 +242,8 @@ def _simulate(deployment: Deployment, requests: list[SimRequest]) -> LevelOutcom
                 tracks[out.request_id].last_s = end
         if not rep.has_work():
             busy.remove(rep)
-    results = [_result(t) for t in tracks.values()]
+    frontend = deployment.profile.frontend_latency_s
+    results = [_result(t, frontend) for t in tracks.values()]
     results.sort(key=lambda r: r.index)
     duration = max((r.finish_s for r in results if r.error is None), default=0.0)
     reports = [r.finish_report() for r in replicas]
@@ -258,7 +260,7 @@ def _note_gap(track: _Track, end: float) -> None:
     track.last_s = end
 
 
-def _result(t: _Track) -> RequestResult:
+def _result(t: _Track, frontend_s: float) -> RequestResult:
     spec, request = t.spec, t.request
     return RequestResult(
         index=spec.index,
@@ -268,8 +270,8 @@ def _result(t: _Track) -> RequestResult:
         output_tokens=len(request.output_token_ids),
         requested_output_tokens=spec.output_len,
         cached_tokens=max(request.num_cached_tokens, 0),
-        first_token_s=t.first_s,
-        finish_s=t.last_s,
+        first_token_s=t.first_s + frontend_s,
+        finish_s=t.last_s + frontend_s,
         itl_s=t.itl,
         error=t.error,
     )

@@ -219,8 +219,18 @@ def test_tokenize_detokenize_version(server, tokenizer):
 
 def test_streamed_logprobs_cover_every_token(client):
     stream = client.chat.completions.create(
-        model="tiny", messages=CHAT, max_tokens=16, stream=True, logprobs=True, top_logprobs=1,
+        model="tiny",
+        messages=CHAT,
+        max_tokens=16,
+        stream=True,
+        logprobs=True,
+        top_logprobs=1,
         extra_body={"ignore_eos": True},
     )
-    entries = [t for c in stream if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    entries = [
+        t
+        for c in stream
+        if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.content
+    ]
     assert len(entries) == 16

@@ -1,0 +1,122 @@
+"""Calibration from a server's step trace: reading it, fitting it, and the latency outside steps."""
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from servelm.bench.results import Load
+from servelm.bench.workload import WorkloadSpec
+from servelm.cli import main
+from servelm.engine.outputs import ScheduledRequest, SchedulerOutput
+from servelm.engine.sampling_params import SamplingParams
+from servelm.engine.step_trace import (
+    StepComposition,
+    StepRecorder,
+    StepTraceWriter,
+    read_step_trace,
+)
+from servelm.sim.calibrate import calibrate_from_trace, fit_frontend_latency
+from servelm.sim.config import SimConfig, resolve
+from servelm.sim.executor import price
+from servelm.sim.profiles import load_profile
+from servelm.sim.roofline import measured_profile
+from servelm.sim.sweep import run_sweep
+
+# A made-up CPU: 400 GFLOP/s, 40 ms per step, 1 ms per request, no memory bound to speak of.
+TRUE = measured_profile(4e11, 1e15, step_overhead_s=0.040, per_request_s=0.001)
+
+
+class _Runner:
+    def execute(self, scheduler_output):
+        return None
+
+
+def _scheduled(new: int, prior: int) -> ScheduledRequest:
+    ids = list(range(prior + new))
+    return ScheduledRequest("r", ids[prior:], prior, [0], SamplingParams(), True, ids, [])
+
+
+def test_trace_lines_round_trip_and_a_cut_line_is_skipped(tmp_path):
+    path = tmp_path / "steps.jsonl"
+    recorder = StepRecorder(_Runner())
+    writer = StepTraceWriter(path, recorder)
+    recorder.execute(SchedulerOutput([_scheduled(100, 0)]))
+    writer.write(0.25)
+    recorder.execute(SchedulerOutput([_scheduled(1, 100), _scheduled(1, 40)]))
+    writer.write(0.05)
+    writer.close()
+    with path.open("a") as f:
+        f.write('{"time": 1, "seconds": 0.1, "prefill_to')  # killed mid-line
+    steps = read_step_trace(path)
+    assert steps == [
+        (StepComposition(100, 0, 0, 100 * 101 // 2, 1, 1), 0.25),
+        (StepComposition(0, 2, 140, 142, 2, 2), 0.05),
+    ]
+
+
+def _synthetic_trace(path, cost, steps: list[StepComposition]) -> None:
+    with path.open("w") as f:
+        for step in steps:
+            seconds = price(step, TRUE, cost).total_s
+            f.write(json.dumps({"seconds": seconds, **step.__dict__}) + "\n")
+
+
+def test_fit_to_a_trace_recovers_the_profile_that_priced_it(tmp_path, tiny_model_dir):
+    from servelm.planner.shapes import shape_from_folder
+    from servelm.sim.roofline import ModelCost
+
+    cost = ModelCost.from_shape(shape_from_folder(tiny_model_dir))
+    steps = [StepComposition(n, 0, 0, n * (n + 1) // 2, 1, 1) for n in (64, 256, 1024, 2048)]
+    steps += [StepComposition(0, b, b * 200, b * 201, b, b) for b in (1, 2, 4, 8, 16, 32)]
+    steps += [StepComposition(300, b, b * 100, 300 * 301 // 2 + b * 101, b, b + 1) for b in (3, 9)]
+    _synthetic_trace(tmp_path / "steps.jsonl", cost, steps)
+    cal = calibrate_from_trace(tmp_path / "steps.jsonl", str(tiny_model_dir))
+    fitted = cal.profile_file.profile
+    assert fitted.step_overhead_s == pytest.approx(TRUE.step_overhead_s, rel=0.02)
+    assert fitted.per_request_s == pytest.approx(TRUE.per_request_s, rel=0.05)
+    assert len(cal.held_out) == len(steps) // 4
+    assert max(abs(e) for e in cal.held_out_errors) < 0.01
+    assert cal.profile_file.model == str(tiny_model_dir)
+
+
+def test_frontend_latency_is_what_the_real_runs_add_to_the_simulated_ttft():
+    # "Real" results: the simulator itself with 35 ms outside the steps; fitting the same
+    # deployment without that latency must find the 35 ms again.
+    workload = WorkloadSpec.from_preset("chat", input_len=128, output_len=16)
+    real_profile = replace(TRUE, frontend_latency_s=0.035)
+    real = SimConfig(model="smollm2-135m", profile=real_profile, workload=workload,
+                     num_requests=40, seed=3, kv_cache_gb=0.5)  # fmt: skip
+    bench = run_sweep(real, [Load(rate=1.0), Load(rate=6.0)]).to_dict()
+    found = fit_frontend_latency(real.with_(profile=TRUE, seed=99, num_requests=5), bench)
+    assert found == pytest.approx(0.035, abs=1e-6)
+    # and the simulator adds it to TTFT and end-to-end latency, not to the steps
+    with_it = run_sweep(real, [Load(rate=1.0)]).runs[0].summary
+    without = run_sweep(real.with_(profile=TRUE), [Load(rate=1.0)]).runs[0].summary
+    assert with_it["ttft_ms"]["p50"] == pytest.approx(without["ttft_ms"]["p50"] + 35)
+    assert with_it["tpot_ms"]["p50"] == pytest.approx(without["tpot_ms"]["p50"])
+    assert resolve(real).profile.frontend_latency_s == 0.035
+
+
+def test_cli_fits_a_trace_and_a_bench_run_into_one_profile(tmp_path, tiny_model_dir):
+    from servelm.planner.shapes import shape_from_folder
+    from servelm.sim.roofline import ModelCost
+
+    cost = ModelCost.from_shape(shape_from_folder(tiny_model_dir))
+    steps = [StepComposition(n, 0, 0, n * (n + 1) // 2, 1, 1) for n in (32, 128, 512)]
+    steps += [StepComposition(0, b, b * 64, b * 65, b, b) for b in (1, 4, 16, 24, 48)]
+    _synthetic_trace(tmp_path / "steps.jsonl", cost, steps)
+    workload = WorkloadSpec.from_preset("chat", input_len=64, output_len=8)
+    real = SimConfig(model=str(tiny_model_dir), profile=replace(TRUE, frontend_latency_s=0.02),
+                     workload=workload, num_requests=20, kv_cache_gb=0.1)  # fmt: skip
+    (tmp_path / "bench.json").write_text(json.dumps(run_sweep(real, [Load(rate=2.0)]).to_dict()))
+    out = tmp_path / "cpu.json"
+    code = main(["simulate", "--calibrate-trace", str(tmp_path / "steps.jsonl"),
+                 "--calibrate-bench", str(tmp_path / "bench.json"),
+                 "--calibrate-model", str(tiny_model_dir), "--kv-cache-gb", "0.1",
+                 "--profile-out", str(out)])  # fmt: skip
+    assert code == 0
+    saved = load_profile(out)
+    assert saved.profile.frontend_latency_s == pytest.approx(0.02, abs=1e-3)
+    assert saved.profile.step_overhead_s == pytest.approx(0.040, rel=0.02)
+    assert saved.fit["steps"] == len(steps)
