@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from servelm.engine.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     """What the model runner needs for one request in one step.
 
@@ -93,7 +93,7 @@ class ModelRunnerOutput:
     logprobs: dict[str, Logprobs] = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(slots=True)
 class EngineCoreOutput:
     """New tokens of one request after one step (what the API process turns into text)."""
 
