@@ -28,14 +28,15 @@ logger = logging.getLogger("servelm.engine")
 OPENMP_SPIN_COUNT = 30_000
 
 
-def _short_openmp_spin() -> None:
+def bound_openmp_spin() -> None:
     """Bound OpenMP's busy-waiting before torch loads libgomp (it reads the setting once).
 
     Between two parallel regions libgomp's threads spin. When anything else wants a core (the
     API process streaming tokens, a second server, a test runner), a spinning thread holds the
     core while the thread it waits for is descheduled: on 2 cores with one busy neighbour a
     decode step took 2.4 s instead of 44 ms. A short spin keeps most of the benefit of spinning
-    on a quiet machine. An explicit OMP_WAIT_POLICY or GOMP_SPINCOUNT is left alone.
+    on a quiet machine. An explicit OMP_WAIT_POLICY or GOMP_SPINCOUNT is left alone. The
+    offline `LLM` calls it too, on import, for the same reason.
     """
     if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
         os.environ["GOMP_SPINCOUNT"] = str(OPENMP_SPIN_COUNT)
@@ -52,7 +53,7 @@ def run_engine_core(
     outputs = ctx.socket(zmq.PUSH)
     outputs.connect(output_addr)
     try:
-        _short_openmp_spin()
+        bound_openmp_spin()
         from servelm.worker.executor import create_engine_core  # torch lives past this line
 
         t0 = time.perf_counter()

@@ -83,7 +83,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             # Every core: a decode step is bound by reading the weights, which both cores do
             # faster together. The engine process bounds OpenMP's spinning so that sharing the
-            # cores with the API process does not stall it (core_process._short_openmp_spin).
+            # cores with the API process does not stall it (core_process.bound_openmp_spin).
             torch.set_num_threads(num_threads or os.cpu_count() or 1)
         t0 = time.perf_counter()
         self.model = build_model(model_dir, spec, self.dtype, self.device, max_model_len)
