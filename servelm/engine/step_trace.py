@@ -108,12 +108,15 @@ class StepTraceWriter:
 def read_step_trace(path: str | Path) -> list[tuple[StepComposition, float]]:
     """(composition, seconds) of every complete line of a trace written by `StepTraceWriter`."""
     steps = []
-    for line in Path(path).read_text().splitlines():
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
         try:
             row = json.loads(line)
         except json.JSONDecodeError:  # a line cut short by a kill
             continue
-        seconds = row.pop("seconds")
-        row.pop("time", None)
-        steps.append((StepComposition(**row), seconds))
+        try:
+            seconds = float(row.pop("seconds"))
+            row.pop("time", None)
+            steps.append((StepComposition(**row), seconds))
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{path}, line {number}: not a step trace line ({exc})") from exc
     return steps

@@ -231,15 +231,18 @@ def fit_frontend_latency(
     profile = replace(device_profile(config), frontend_latency_s=0.0)
     gaps = []
     for bench in [benches] if isinstance(benches, dict) else benches:
-        run_cfg = bench["config"]
-        level_config = config.with_(
-            profile=profile,
-            workload=WorkloadSpec(**run_cfg["workload"]),
-            num_requests=run_cfg["num_requests"],
-            seed=run_cfg["seed"],
-            replicas=1,
-        )
-        loads = [Load.from_dict(run["load"]) for run in bench["runs"]]
+        try:
+            run_cfg = bench["config"]
+            level_config = config.with_(
+                profile=profile,
+                workload=WorkloadSpec(**run_cfg["workload"]),
+                num_requests=run_cfg["num_requests"],
+                seed=run_cfg["seed"],
+                replicas=1,
+            )
+            loads = [Load.from_dict(run["load"]) for run in bench["runs"]]
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"not a `servelm bench --out` result (no {exc})") from exc
         simulated = run_sweep(level_config, loads).runs
         for real, sim in zip(bench["runs"], simulated, strict=True):
             real_p50 = (real["summary"].get("ttft_ms") or {}).get("p50")

@@ -211,6 +211,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _profile_from_args(args: argparse.Namespace, console: Console) -> str | None:
     """Calibrate or load a profile into `args.loaded_profile`; return its model, if any."""
+    if args.calibrate_bench and not args.calibrate_trace:
+        raise ValueError("--calibrate-bench needs --calibrate-trace (the steps of that run)")
     if args.calibrate or args.calibrate_trace:
         from servelm.sim import calibrate as calib  # torch (for --calibrate): only when asked
 

@@ -120,3 +120,28 @@ def test_cli_fits_a_trace_and_a_bench_run_into_one_profile(tmp_path, tiny_model_
     assert saved.profile.frontend_latency_s == pytest.approx(0.02, abs=1e-3)
     assert saved.profile.step_overhead_s == pytest.approx(0.040, rel=0.02)
     assert saved.fit["steps"] == len(steps)
+
+
+def test_cli_refuses_what_is_not_a_trace_or_a_bench_result(tmp_path, tiny_model_dir, capsys):
+    trace = tmp_path / "steps.jsonl"
+    from servelm.planner.shapes import shape_from_folder
+    from servelm.sim.roofline import ModelCost
+
+    cost = ModelCost.from_shape(shape_from_folder(tiny_model_dir))
+    _synthetic_trace(trace, cost, [StepComposition(0, b, b * 9, b * 10, b, b) for b in range(1, 9)])
+    not_bench = tmp_path / "other.json"
+    not_bench.write_text('{"runs": []}')
+    model = ["--calibrate-model", str(tiny_model_dir), "--profile-out", str(tmp_path / "p.json")]
+    cases = [
+        (["--calibrate-trace", str(not_bench)], "not a step trace line"),
+        (
+            ["--calibrate-trace", str(trace), "--calibrate-bench", str(not_bench)],
+            "not a `servelm bench",
+        ),
+        (["--calibrate-bench", str(not_bench)], "needs --calibrate-trace"),
+        (["--calibrate-trace", str(tmp_path / "missing.jsonl")], "No such file"),
+    ]
+    for args, message in cases:
+        assert main(["simulate", *args, *model]) == 2
+        assert message in " ".join(capsys.readouterr().out.split())
+    assert not (tmp_path / "p.json").exists()
