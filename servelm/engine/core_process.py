@@ -58,6 +58,10 @@ def run_engine_core(
 
         t0 = time.perf_counter()
         core, info = create_engine_core(args)
+        trace = None
+        if args.step_trace:  # opened before "ready": a bad path fails the start, not a step
+            core.executor = recorder = StepRecorder(core.executor)
+            trace = StepTraceWriter(args.step_trace, recorder)
         # Everything allocated so far (model, tokenizer tables) lives as long as the process:
         # keep it out of the garbage collector's generations so collections stay short.
         gc.collect()
@@ -76,10 +80,6 @@ def run_engine_core(
                 ),
             )
         )
-        trace = None
-        if args.step_trace:
-            core.executor = recorder = StepRecorder(core.executor)
-            trace = StepTraceWriter(args.step_trace, recorder)
         _loop(core, inputs, outputs, trace)
     except Exception as exc:  # report, then die: the API process turns this into errors + 503
         logger.exception("engine core failed")
