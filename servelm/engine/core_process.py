@@ -52,13 +52,13 @@ def run_engine_core(
     inputs.connect(input_addr)
     outputs = ctx.socket(zmq.PUSH)
     outputs.connect(output_addr)
+    trace = None
     try:
         bound_openmp_spin()
         from servelm.worker.executor import create_engine_core  # torch lives past this line
 
         t0 = time.perf_counter()
         core, info = create_engine_core(args)
-        trace = None
         if args.step_trace:  # opened before "ready": a bad path fails the start, not a step
             core.executor = recorder = StepRecorder(core.executor)
             trace = StepTraceWriter(args.step_trace, recorder)
@@ -86,6 +86,8 @@ def run_engine_core(
         outputs.send(encode("error", f"{type(exc).__name__}: {exc}"))
         raise SystemExit(1) from exc
     finally:
+        if trace is not None:
+            trace.close()
         outputs.close(linger=1000)
         inputs.close(linger=0)
         ctx.term()

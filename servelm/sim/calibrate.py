@@ -27,6 +27,7 @@ from typing import Any
 
 from servelm.bench.results import Load
 from servelm.bench.workload import WorkloadSpec
+from servelm.config import EngineArgs
 from servelm.engine.core import EngineCore
 from servelm.engine.request import Request
 from servelm.engine.sampling_params import SamplingParams
@@ -37,6 +38,7 @@ from servelm.sim.fit import TimedStep, fit_profile, relative_errors
 from servelm.sim.profiles import ProfileFile
 from servelm.sim.roofline import ModelCost
 from servelm.sim.sweep import run_sweep
+from servelm.store.fetch import resolve_model_dir
 
 LISTED_POINTS = 40  # a profile file lists each timed step only up to this many
 
@@ -199,9 +201,6 @@ def calibrate_from_trace(
     step is held out of the fit and judged. `model` is the served model's folder or name
     (None: the default model); no weights are loaded.
     """
-    from servelm.config import EngineArgs
-    from servelm.store.fetch import resolve_model_dir
-
     t0 = time.perf_counter()
     model_dir = resolve_model_dir(EngineArgs(model=model))
     shape = shape_from_folder(model_dir)

@@ -29,6 +29,7 @@ from servelm.bench.workload import LENGTH_DISTS, PRESETS, WorkloadSpec
 from servelm.planner.catalog import GPUS
 from servelm.planner.shapes import KV_BYTES, WEIGHT_BYTES, ShapeError
 from servelm.sim.config import POLICIES, SimConfig, resolve
+from servelm.sim.fit import NEVER_BINDS
 from servelm.sim.profiles import load_profile
 from servelm.sim.sweep import replicas_for_rate, run_sweep, search_capacity
 
@@ -251,7 +252,7 @@ def _profile_from_args(args: argparse.Namespace, console: Console) -> str | None
 
 
 def _bandwidth(rate: float) -> str:
-    return "no memory bound" if rate >= 1e29 else f"{rate / 1e9:.2f} GB/s"  # fit's "never binds"
+    return "no memory bound" if rate >= NEVER_BINDS else f"{rate / 1e9:.2f} GB/s"
 
 
 def _errors(errors: list[float]) -> str:

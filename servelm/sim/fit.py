@@ -27,7 +27,7 @@ from servelm.sim.executor import StepComposition, price
 from servelm.sim.roofline import DeviceProfile, ModelCost, measured_profile
 
 _UNIT = measured_profile(1.0, 1.0)  # with unit rates, compute_s = FLOPs and memory_s = bytes
-_HUGE_RATE = 1e30  # a rate the fit found never binds
+NEVER_BINDS = 1e30  # the rate of a term the fit found never binds
 
 
 @dataclass(frozen=True)
@@ -109,8 +109,8 @@ def fit_profile(
             best, best_err = x, err
     a, b, c, d = (float(v) for v in best)
     return measured_profile(
-        flops=1.0 / a if a > 0 else _HUGE_RATE,
-        bandwidth=1.0 / b if b > 0 else _HUGE_RATE,
+        flops=1.0 / a if a > 0 else NEVER_BINDS,
+        bandwidth=1.0 / b if b > 0 else NEVER_BINDS,
         step_overhead_s=c,
         name=name,
         per_request_s=d,
