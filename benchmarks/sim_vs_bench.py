@@ -156,6 +156,7 @@ def main() -> int:
             start = len(traced_lines(trace))
             results = bench(f"calibration_bench_{i}.json", args.calibration_rates,
                             args.calibration_requests, args.seed + 1000 * i)  # fmt: skip
+            time.sleep(0.5)  # the engine writes a step's line just after sending its tokens
             steps = out / f"calibration_trace_{i}.jsonl"
             steps.write_text("".join(traced_lines(trace)[start:]))
             return steps, results
