@@ -119,8 +119,10 @@ def summary_table(result: BenchResult) -> Table:
             _num(s["goodput"]),
             f"{s['slo_attainment']:.0%}",
         )
-    slo = result.config.get("slo", {})
-    table.caption = f"SLO: TTFT ≤ {slo.get('ttft_ms')} ms and TPOT ≤ {slo.get('tpot_ms')} ms"
+    slo = result.config.get("slo") or {}
+    limits = [f"{name} ≤ {slo[key]:g} ms" for name, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"))
+              if slo.get(key) is not None]  # fmt: skip
+    table.caption = f"SLO: {' and '.join(limits)}" if limits else "no SLO"
     return table
 
 
