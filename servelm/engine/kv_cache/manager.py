@@ -104,24 +104,14 @@ class KVCacheManager:
         """
         held = self.req_blocks.get(request.request_id)
         if held and not new_computed_blocks:
-            # Fast path (every decode step): no prefix hit to take, often no block to add, and
-            # otherwise a block or two taken straight from the pool (same result as below).
+            # Fast path (most decode steps): no prefix hit to take and no block to add.
             num_total = request.num_computed_tokens + num_new_tokens
-            needed = -(-num_total // self.block_size) - len(held)  # cdiv, inlined
-            if needed <= 0:
+            if -(-num_total // self.block_size) <= len(held):  # cdiv, inlined
                 if self.enable_caching and num_total // self.block_size > (
                     self._num_cached_blocks.get(request.request_id, 0)
                 ):
                     self._cache_full_blocks(request, num_total)
                 return []
-            if needed > self.pool.num_free_blocks:
-                return None
-            new_blocks = self.pool.get_new_blocks(needed)
-            held.extend(new_blocks)
-            self._add_block_ids(request.request_id, new_blocks)
-            if self.enable_caching:
-                self._cache_full_blocks(request, num_total)
-            return new_blocks
         new_computed_blocks = new_computed_blocks or []
         held = self.req_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
