@@ -1,8 +1,8 @@
 """The offline API: `LLM(model).generate(prompts, params)` and `.chat(conversations, params)`.
 
 Runs the engine core in this process: no server, no sockets. The same scheduler, model runner
-and output processor as `servelm serve`, and the same bound on OpenMP's spin-waiting (set on
-import, unless torch is already loaded or OMP_WAIT_POLICY / GOMP_SPINCOUNT is set).
+and output processor as `servelm serve`, and the same bound on OpenMP's spin-waiting (it takes
+effect when the first `LLM` is what loads torch; OMP_WAIT_POLICY / GOMP_SPINCOUNT win).
 """
 
 from __future__ import annotations
@@ -15,17 +15,13 @@ from typing import Any
 
 from servelm.config import EngineArgs
 from servelm.engine.core_process import bound_openmp_spin
-
-bound_openmp_spin()  # before the imports below load torch, and with it libgomp
-
-from servelm.engine.output_processor import OutputProcessor  # noqa: E402
-from servelm.engine.outputs import SchedulerStats  # noqa: E402
-from servelm.engine.outputs_api import CompletionOutput, RequestOutput  # noqa: E402
-from servelm.engine.requests import child_requests, default_sampling_params  # noqa: E402
-from servelm.engine.sampling_params import SamplingParams  # noqa: E402
-from servelm.store.fetch import resolve_model_dir  # noqa: E402
-from servelm.text.tokenizer import TextTokenizer  # noqa: E402
-from servelm.worker.executor import create_engine_core  # noqa: E402
+from servelm.engine.output_processor import OutputProcessor
+from servelm.engine.outputs import SchedulerStats
+from servelm.engine.outputs_api import CompletionOutput, RequestOutput
+from servelm.engine.requests import child_requests, default_sampling_params
+from servelm.engine.sampling_params import SamplingParams
+from servelm.store.fetch import resolve_model_dir
+from servelm.text.tokenizer import TextTokenizer
 
 logger = logging.getLogger("servelm")
 
@@ -53,6 +49,9 @@ class LLM:
         self.args = EngineArgs(model=model, **engine_kwargs)
         model_dir = resolve_model_dir(self.args)
         self.tokenizer = TextTokenizer(model_dir)
+        bound_openmp_spin()  # before torch, and with it libgomp, is loaded just below
+        from servelm.worker.executor import create_engine_core
+
         self.engine, self.info = create_engine_core(self.args, model_dir)
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
