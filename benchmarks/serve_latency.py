@@ -143,6 +143,24 @@ def finite(value: Any) -> Any:
     return value
 
 
+def run_record(model_dir: Path, serve_flags: list[str], load_before: tuple) -> dict[str, Any]:
+    """What every benchmark's JSON starts with: when, which model and flags, on what machine."""
+    return {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "model": str(model_dir),
+        "serve_flags": serve_flags,
+        "cpu_count": os.cpu_count(),
+        "loadavg_before": load_before,
+    }
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Strict JSON (NaN and infinity as null), the folder made if missing."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(finite(data), indent=1, allow_nan=False) + "\n")
+    print(f"wrote {path}")
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
     def ms(value: float | None) -> str:
         return "-" if value is None else f"{value:.1f}"
@@ -231,12 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     load_after = os.getloadavg()
     rows = [level_row(run) for run in result.runs]
     setup = {
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "model": str(model_dir),
+        **run_record(model_dir, args.serve_arg, load_before),
         **server.weights(),
-        "serve_flags": args.serve_arg,
-        "cpu_count": os.cpu_count(),
-        "loadavg_before": load_before,
         "loadavg_after": load_after,
         "startup_s": startup_s,
         "input_len": args.input_len,
@@ -250,10 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{load_before[0]:.1f} before, {load_after[0]:.1f} after, {os.cpu_count()} CPUs"
     )
     print_table(rows)
-    data = finite({"setup": setup, "levels": rows, "bench": result.to_dict()})
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(data, indent=1, allow_nan=False) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, {"setup": setup, "levels": rows, "bench": result.to_dict()})
     return 1 if result.failed else 0
 
 

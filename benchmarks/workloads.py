@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
-import json
 import os
 import platform
 import signal
@@ -35,7 +33,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.serve_latency import MODEL_NAME, Server, finite, print_columns
+from benchmarks.serve_latency import MODEL_NAME, Server, print_columns, run_record, write_json
 from servelm.bench import BenchConfig, Load, WorkloadSpec, run_benchmark
 
 WORKLOADS: dict[str, dict[str, Any]] = {
@@ -169,19 +167,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{off / on:.1f}x")  # fmt: skip
     for label, seconds in startup.items():
         print(f"start-up to first answer ({label} start): {seconds:.2f} s")
-    data = {
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "model": str(model_dir),
-        "serve_flags": args.serve_arg,
-        "cpu_count": os.cpu_count(),
-        "loadavg_before": load_before,
-        "rows": rows,
-        "startup_s": startup,
-        "bench": runs,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(finite(data), indent=1, allow_nan=False) + "\n")
-    print(f"wrote {args.out}")
+    record = run_record(model_dir, args.serve_arg, load_before)
+    write_json(args.out, {**record, "rows": rows, "startup_s": startup, "bench": runs})
     return 1 if any(r["failed"] for r in rows) else 0
 
 
