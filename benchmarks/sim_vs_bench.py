@@ -169,13 +169,11 @@ def main() -> int:
         # 2. calibrate
         profile = Path(args.profile) if args.profile else out / "cpu_profile.json"
         passes = []
-        if args.profile:
-            pass  # calibrated before
-        elif args.calibration == "inprocess":
+        if args.profile is None and args.calibration == "inprocess":
             sh([*SERVELM, "simulate", "--calibrate", "--profile-out", str(profile),
                 "--calibrate-seconds", f"{args.calibrate_seconds:g}",
                 "--calibrate-clock", args.calibrate_clock], log)  # fmt: skip
-        else:
+        elif args.profile is None:
             passes.append(calibration_pass(1))
             fit(passes)
         profile_args = ["--profile", str(profile)]

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from itertools import compress
 from operator import attrgetter, mul
 from pathlib import Path
@@ -99,7 +99,7 @@ class StepTraceWriter:
 
     def write(self, seconds: float) -> None:
         line = {"time": round(time.time(), 4), "seconds": round(seconds, 7)}
-        self.file.write(json.dumps(line | asdict(self.recorder.last)) + "\n")
+        self.file.write(json.dumps(line | vars(self.recorder.last)) + "\n")  # flat ints
 
     def close(self) -> None:
         self.file.close()
