@@ -219,9 +219,10 @@ async def collect(choices: Choices, n: int, num_prompt: int) -> Collected:
 def chunk_writer(rid: str, object_name: str, created: int, model: str) -> Callable[..., str]:
     """`chunk(choices, **extra)` -> one SSE event of a streamed response's chunk object."""
 
+    envelope = {"id": rid, "object": object_name, "created": created, "model": model}
+
     def chunk(choice_list: list[dict[str, Any]], **extra: Any) -> str:
-        body = {"id": rid, "object": object_name, "created": created, "model": model}
-        return event({**body, "choices": choice_list, **extra})
+        return event({**envelope, "choices": choice_list, **extra})
 
     return chunk
 
