@@ -1,6 +1,7 @@
 """Time engine steps of the default model in-process: decode at several batch sizes, and prefill.
 
     .venv/bin/python benchmarks/step_time.py --dtype bfloat16 --batch 1,16 --context 256
+    .venv/bin/python benchmarks/step_time.py --quantization none,auto   # bf16 vs int4 weights
 
 Prints milliseconds per decode step and per prefill of `--prefill` tokens, measured side by side
 for each setting in one run. No server, no HTTP: this isolates the model runner and scheduler.
@@ -54,16 +55,25 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--prefill", type=int, default=256)
     ap.add_argument("--num-threads", type=int, default=None)
-    args = ap.parse_args()
-    llm = LLM(
-        args.model, dtype=args.dtype, num_threads=args.num_threads, enable_prefix_caching=False
+    ap.add_argument(
+        "--quantization", default="auto", help="one or several, comma-separated: auto,none,int4"
     )
-    for b in (int(x) for x in args.batch.split(",")):
-        print(
-            f"decode batch {b:3d} context {args.context}: {decode_ms(llm, b, args.context, args.steps):7.2f} ms/step"
+    args = ap.parse_args()
+    for quantization in args.quantization.split(","):
+        llm = LLM(
+            args.model,
+            dtype=args.dtype,
+            quantization=quantization,
+            num_threads=args.num_threads,
+            enable_prefix_caching=False,
         )
-    prefill_ms(llm, args.prefill)
-    print(f"prefill {args.prefill} tokens: {prefill_ms(llm, args.prefill):7.1f} ms")
+        label = f"[{quantization}: {llm.engine.executor.int4_layers} int4 projections]"
+        for b in (int(x) for x in args.batch.split(",")):
+            ms = decode_ms(llm, b, args.context, args.steps)
+            print(f"{label} decode batch {b:3d} context {args.context}: {ms:7.2f} ms/step")
+        prefill_ms(llm, args.prefill)
+        print(f"{label} prefill {args.prefill} tokens: {prefill_ms(llm, args.prefill):7.1f} ms")
+        del llm
 
 
 if __name__ == "__main__":

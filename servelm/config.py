@@ -39,6 +39,7 @@ class EngineArgs:
     revision: str | None = None
     served_model_name: str | None = None
     dtype: str = "auto"
+    quantization: str = "auto"  # auto: int4 decode weights where lossless (see --quantization)
     device: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 64
@@ -70,6 +71,14 @@ class EngineArgs:
         g.add_argument("--served-model-name", default=None)
         g.add_argument(
             "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
+        )
+        g.add_argument(
+            "--quantization",
+            default="auto",
+            choices=["auto", "none", "int4"],
+            help="int4: decode steps read 4-bit copies of the projection weights (CPU, "
+            "bfloat16; lossy unless the weights are 4-bit already); auto: int4 only when "
+            "lossless, as for a Q4_1 GGUF such as the default model",
         )
         g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
         g.add_argument("--max-model-len", type=int, default=None)

@@ -15,6 +15,14 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from servelm.model.layers.linear import (
+    INT4_LOSSLESS_STEPS,
+    Int4Weight,
+    Linear,
+    can_int4,
+    quantize_linears_int4,
+)
+
 
 class WeightLoadError(RuntimeError):
     pass
@@ -111,22 +119,55 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
         raise WeightLoadError(f"checkpoint in {model_dir} lacks tensors: {shown}")
 
 
-def _allocate_parameters(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+def _allocate_parameters(
+    model: nn.Module, dtype: torch.dtype, device: torch.device, linear_dtype: torch.dtype
+) -> None:
     """Give every meta parameter uninitialised memory (what `to_empty` does, minus the cost of
-    routing each allocation through torch's meta-tensor reference implementations)."""
+    routing each allocation through torch's meta-tensor reference implementations);
+    `Linear` parameters get `linear_dtype`."""
     for module in model.modules():
+        kind = linear_dtype if isinstance(module, Linear) else dtype
         for name, param in module._parameters.items():
             if param is not None and param.is_meta:
-                empty = torch.empty(param.shape, dtype=dtype, device=device)
+                empty = torch.empty(param.shape, dtype=kind, device=device)
                 module._parameters[name] = nn.Parameter(empty, requires_grad=False)
 
 
+def _checkpoint_is_4bit(model_dir: str | Path, dtype: torch.dtype) -> bool:
+    """Whether the checkpoint's first projection weight is 4-bit already (a dequantized Q4_1
+    GGUF is): one tensor read, before any memory is allocated for the model."""
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            name = next((n for n in f.keys() if n.endswith("proj.weight")), None)
+            if name is not None:
+                tensor = f.get_tensor(name)
+                return can_int4(tensor, dtype) and (
+                    Int4Weight(tensor, dtype).error <= INT4_LOSSLESS_STEPS
+                )
+    return False
+
+
 def build_model(
-    model_dir: str | Path, spec, dtype: torch.dtype, device: torch.device, max_positions: int
+    model_dir: str | Path,
+    spec,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    quantization: str = "none",
 ):
-    """Construct the model without initialising weights, then fill it from the checkpoint."""
+    """Construct the model without initialising weights, then fill it from the checkpoint.
+
+    `quantization`: "none"; "int4", every projection the CPU int4 kernel takes also gets a
+    4-bit copy (rounded to the nearest: lossy unless the weights are 4-bit already); "auto",
+    int4 only where that loses nothing, i.e. the checkpoint's projection weights are 4-bit.
+    The model's `int4_layers` says how many projections got one.
+    """
     from servelm.model.layers.rotary import RotaryEmbedding
     from servelm.model.llama import LlamaForCausalLM
+
+    int4 = quantization == "int4" or (
+        quantization == "auto" and device.type == "cpu" and _checkpoint_is_4bit(model_dir, dtype)
+    )
 
     # The rotary table is computed (in float32, stored in the model dtype), not loaded.
     rope = RotaryEmbedding(spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling, dtype)
@@ -134,10 +175,19 @@ def build_model(
     # dtype there, then allocated once on the device and filled from the checkpoint.
     with torch.device("meta"):
         model = LlamaForCausalLM(spec, max_positions, rope)
-    _allocate_parameters(model, dtype, device)
+    # The int4 copies are made from the checkpoint's own values, so projections load in
+    # float32 first and take the model's dtype afterwards.
+    _allocate_parameters(model, dtype, device, torch.float32 if int4 else dtype)
     model.rope = rope.to(device)
     load_weights(model, model_dir)
+    model.int4_layers = (
+        quantize_linears_int4(model, dtype, lossless_only=quantization == "auto") if int4 else 0
+    )
+    if int4:
+        model.to(dtype)
     # Counted before repacking, which frees the plain copies of packed weights.
-    model.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    model.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
+        m.int4.nbytes for m in model.modules() if isinstance(m, Linear) and m.int4 is not None
+    )
     model.prepare_for_inference()
     return model.eval()

@@ -46,6 +46,7 @@ def create_engine_core(
         model_dir,
         spec,
         dtype=args.dtype,
+        quantization=args.quantization,
         device=args.device,
         block_size=args.block_size,
         max_model_len=max_model_len,
@@ -53,11 +54,12 @@ def create_engine_core(
         num_threads=args.num_threads,
     )
     logger.info(
-        "weights loaded in %.2f s: %.3f GiB (%s, %s)",
+        "weights loaded in %.2f s: %.3f GiB (%s, %s%s)",
         runner.load_seconds,
         runner.weight_bytes / 2**30,
         runner.dtype,
         runner.device,
+        f", int4 decode weights for {runner.int4_layers} projections" if runner.int4_layers else "",
     )
     t0 = time.perf_counter()
     num_blocks = runner.profile_num_blocks(

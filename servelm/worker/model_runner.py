@@ -68,6 +68,7 @@ class ModelRunner:
         spec: ModelSpec,
         *,
         dtype: str = "auto",
+        quantization: str = "auto",
         device: str = "auto",
         block_size: int = 16,
         max_model_len: int,
@@ -77,6 +78,11 @@ class ModelRunner:
         self.spec = spec
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, spec, self.device)
+        if quantization == "int4" and (self.device.type, self.dtype) != ("cpu", torch.bfloat16):
+            raise ValueError(
+                f"--quantization int4 needs the CPU and bfloat16 (got {self.device}, "
+                f"{str(self.dtype).replace('torch.', '')})"
+            )
         self.block_size = block_size
         self.max_model_len = max_model_len
         torch.manual_seed(seed)
@@ -86,8 +92,11 @@ class ModelRunner:
             # cores with the API process does not stall it (core_process.bound_openmp_spin).
             torch.set_num_threads(num_threads or os.cpu_count() or 1)
         t0 = time.perf_counter()
-        self.model = build_model(model_dir, spec, self.dtype, self.device, max_model_len)
+        self.model = build_model(
+            model_dir, spec, self.dtype, self.device, max_model_len, quantization
+        )
         self.weight_bytes = self.model.weight_bytes
+        self.int4_layers = self.model.int4_layers
         self.load_seconds = time.perf_counter() - t0
         self.attn: TorchPagedAttention | None = None
         self.generators: dict[str, torch.Generator] = {}

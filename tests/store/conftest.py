@@ -83,9 +83,14 @@ def _gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{_GGUF_NAMES[rest]}"
 
 
-def _qtype(hf_name: str) -> Q:
+def _qtype(hf_name: str, all_q4_1: bool) -> Q:
     # A mix like a real Q4_1 file: embeddings Q8_0, k and mlp Q4_1, q/v/o and norms exact.
-    if hf_name == "model.embed_tokens.weight" or hf_name.endswith("down_proj.weight"):
+    # Or, like the default model's file, every projection Q4_1.
+    if hf_name == "model.embed_tokens.weight":
+        return Q.Q8_0
+    if all_q4_1 and hf_name.endswith("proj.weight"):
+        return Q.Q4_1
+    if hf_name.endswith("down_proj.weight"):
         return Q.Q8_0
     if hf_name.endswith(("k_proj.weight", "gate_proj.weight", "up_proj.weight")):
         return Q.Q4_1
@@ -93,7 +98,13 @@ def _qtype(hf_name: str) -> Q:
 
 
 def write_tiny_gguf(
-    path: Path, *, arch: str = "llama", tied: bool = True, pre: str = "smollm", seed: int = 0
+    path: Path,
+    *,
+    arch: str = "llama",
+    tied: bool = True,
+    pre: str = "smollm",
+    seed: int = 0,
+    all_q4_1: bool = False,
 ) -> dict[str, np.ndarray]:
     """Write a tiny GGUF to `path`; return the HF-layout weights an exact import must produce."""
     hf = _hf_tensors(np.random.default_rng(seed), tied)
@@ -127,7 +138,7 @@ def write_tiny_gguf(
             stored = llamacpp_permute(weight, HEADS)
         elif name.endswith("k_proj.weight"):
             stored = llamacpp_permute(weight, KV_HEADS)
-        qtype = _qtype(name)
+        qtype = _qtype(name, all_q4_1)
         if qtype == Q.F32:
             writer.add_tensor(_gguf_name(name), stored)
             expected[name] = weight
