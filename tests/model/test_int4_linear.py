@@ -102,3 +102,19 @@ def test_auto_leaves_ordinary_weights_alone_and_int4_quantizes_them(tiny_model_d
 def test_int4_needs_bf16_on_the_cpu(tiny_model_dir):
     with pytest.raises(ValueError, match="int4 needs the CPU and bfloat16"):
         LLM(str(tiny_model_dir), dtype="float32", quantization="int4", kv_cache_memory="4MiB")
+
+
+def test_the_serve_flag_reaches_the_engine_args():
+    import argparse
+
+    from servelm.config import EngineArgs
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    assert EngineArgs.from_cli_args(parser.parse_args([])).quantization == "auto"
+    assert (
+        EngineArgs.from_cli_args(parser.parse_args(["--quantization", "none"])).quantization
+        == "none"
+    )
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--quantization", "int3"])
