@@ -192,10 +192,10 @@ def build_model(
     _allocate_parameters(model, dtype, device, torch.float32 if int4 else dtype)
     model.rope = rope.to(device)
     load_weights(model, model_dir)
-    model.int4_layers = (
-        quantize_linears_int4(model, dtype, lossless_only=quantization == "auto") if int4 else 0
-    )
+    model.int4_layers = 0
     if int4:
+        lossless_only = quantization == "auto"
+        model.int4_layers = quantize_linears_int4(model, dtype, lossless_only)
         model.to(dtype)
     # Counted before repacking, which frees the plain copies of packed weights.
     model.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
