@@ -105,8 +105,8 @@ class AsyncEngineClient:
         for task in self._tasks:
             task.cancel()
         if self._proc is not None and self._proc.is_alive():
-            try:
-                await self._in.send(encode("shutdown"))
+            try:  # without waiting: an engine that is already exiting reads nothing
+                await self._in.send(encode("shutdown"), flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
             await asyncio.to_thread(self._proc.join, 5)

@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def serve(args: argparse.Namespace) -> int:
-    from servelm.engine.client import AsyncEngineClient
+    from servelm.engine.client import AsyncEngineClient, EngineDeadError
     from servelm.store.fetch import resolve_model_dir
     from servelm.text.tokenizer import TextTokenizer
 
@@ -95,7 +95,12 @@ async def serve(args: argparse.Namespace) -> int:
     from servelm.server.metrics import ServerMetrics
     from servelm.server.serving import ServerState
 
-    ready = await engine.wait_ready()
+    try:
+        ready = await engine.wait_ready()
+    except EngineDeadError as exc:  # a bad setting or model: the engine has logged the details
+        logger.error("%s", exc)
+        await engine.shutdown()
+        return 1
     name = engine_args.served_model_name or model_dir.name
     metrics = ServerMetrics(name, ready.block_size, ready.num_blocks)
     engine.stats_listeners.append(metrics.on_stats)

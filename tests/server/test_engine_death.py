@@ -65,3 +65,13 @@ def test_engine_exits_when_the_api_process_is_killed(tiny_model_dir):
     while engine_alive(engine) and time.time() < deadline:
         time.sleep(0.1)
     assert not engine_alive(engine)
+
+
+def test_a_bad_setting_fails_the_start_with_one_error_line(tiny_model_dir):
+    with pytest.raises(RuntimeError) as failed:
+        LiveServer(tiny_model_dir, "--max-model-len", "1000000", startup_timeout=60)
+    log = str(failed.value)
+    assert "server exited with 1" in log
+    assert "ERROR servelm: engine failed to start: ValueError: --max-model-len" in log
+    # The engine process logs its own traceback; the API process adds none of its own.
+    assert "in wait_ready" not in log
