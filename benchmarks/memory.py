@@ -22,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks.serve_latency import MODEL_NAME, Server
+from benchmarks.serve_latency import MODEL_NAME, WEIGHTS_LINE, Server
 from servelm.bench import BenchConfig, Load, WorkloadSpec, run_benchmark
 
 ALLOWANCE = 600 * 2**20
@@ -46,11 +46,11 @@ def engine_process(pids: list[int]) -> int:
 
 def budget_from_log(text: str) -> tuple[float, float]:
     """(weights GiB, KV GiB) from the engine's start-up log lines."""
-    weights = re.search(r"weights loaded in [\d.]+ s: ([\d.]+) GiB", text)
+    weights = WEIGHTS_LINE.search(text)
     kv = re.search(r"KV cache: .*\(([\d.]+) GiB", text)
     if not weights or not kv:
         raise RuntimeError("start-up log lacks the weights / KV cache lines")
-    return float(weights[1]), float(kv[1])
+    return float(weights["gib"]), float(kv[1])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,6 +45,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# The engine's start-up line, the one place benchmarks read what was loaded: "weights loaded in
+# 0.79 s: 0.312 GiB (torch.bfloat16, cpu, int4 decode weights for 120 projections)", the int4
+# part only when some projection has an int4 copy.
+WEIGHTS_LINE = re.compile(
+    r"weights loaded in [\d.]+ s: (?P<gib>[\d.]+) GiB \(torch\.(?P<dtype>\w+), (?P<device>[\w:]+)"
+    r"(?:, int4 decode weights for (?P<int4>\d+) projections)?\)"
+)
+
+
 class Server:
     """`servelm serve` in a child process, logging to a file; stop() ends it (SIGTERM, then kill)."""
 
@@ -75,10 +84,16 @@ class Server:
     def tail(self, chars: int = 3000) -> str:
         return self.log.read_text(errors="replace")[-chars:]
 
-    def weights(self) -> dict[str, str | None]:
-        """dtype and device from the server's 'weights loaded ... (torch.bfloat16, cpu)' line."""
-        found = re.search(r"weights loaded .*\(torch\.(\w+), ([\w:]+)\)", self.tail(100_000))
-        return {"dtype": found[1], "device": found[2]} if found else {"dtype": None, "device": None}
+    def weights(self) -> dict[str, Any]:
+        """dtype, device and int4 projections from the server's start-up line (`WEIGHTS_LINE`)."""
+        found = WEIGHTS_LINE.search(self.tail(100_000))
+        if not found:
+            return {"dtype": None, "device": None, "int4_projections": None}
+        return {
+            "dtype": found["dtype"],
+            "device": found["device"],
+            "int4_projections": int(found["int4"] or 0),
+        }
 
     def children(self) -> list[int]:
         """Child pids of the server (Linux /proc; empty elsewhere or once it has exited)."""

@@ -118,3 +118,18 @@ def test_the_serve_flag_reaches_the_engine_args():
     )
     with pytest.raises(SystemExit):
         parser.parse_args(["--quantization", "int3"])
+
+
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_the_start_up_line_the_benchmarks_read(tiny_model_dir, caplog, quantization):
+    # benchmarks/serve_latency.py and memory.py record what was loaded from this one line.
+    from benchmarks.serve_latency import WEIGHTS_LINE
+
+    with caplog.at_level("INFO", logger="servelm"):
+        llm = LLM(str(tiny_model_dir), dtype="bfloat16", quantization=quantization,
+                  kv_cache_memory="4MiB")  # fmt: skip
+    found = WEIGHTS_LINE.search(caplog.text)
+    assert found is not None, caplog.text
+    assert (found["dtype"], found["device"]) == ("bfloat16", "cpu")
+    assert int(found["int4"] or 0) == llm.engine.executor.int4_layers
+    assert float(found["gib"]) == pytest.approx(llm.engine.executor.weight_bytes / 2**30, abs=1e-3)
