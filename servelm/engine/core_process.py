@@ -36,7 +36,7 @@ def bound_openmp_spin() -> None:
     core while the thread it waits for is descheduled: on 2 cores with one busy neighbour a
     decode step took 2.4 s instead of 44 ms. A short spin keeps most of the benefit of spinning
     on a quiet machine. An explicit OMP_WAIT_POLICY or GOMP_SPINCOUNT is left alone. The
-    offline `LLM` calls it too, on import, for the same reason.
+    offline `LLM` calls it too, in its constructor before torch loads, for the same reason.
     """
     if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
         os.environ["GOMP_SPINCOUNT"] = str(OPENMP_SPIN_COUNT)
