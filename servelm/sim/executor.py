@@ -16,8 +16,6 @@ from servelm.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from servelm.engine.step_trace import StepComposition, compose, sampled_request_ids
 from servelm.sim.roofline import DeviceProfile, ModelCost, StepCost, step_cost
 
-__all__ = ["DUMMY_TOKEN", "SimExecutor", "StepComposition", "compose", "price"]
-
 DUMMY_TOKEN = 0  # never an EOS the simulator sets up; requests run to max_tokens
 
 

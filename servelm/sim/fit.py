@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from servelm.sim.executor import StepComposition, price
+from servelm.engine.step_trace import StepComposition
+from servelm.sim.executor import price
 from servelm.sim.roofline import DeviceProfile, ModelCost, measured_profile
 
 _UNIT = measured_profile(1.0, 1.0)  # with unit rates, compute_s = FLOPs and memory_s = bytes

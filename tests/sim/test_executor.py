@@ -4,8 +4,9 @@ import pytest
 
 from servelm.engine.outputs import ScheduledRequest, SchedulerOutput
 from servelm.engine.sampling_params import SamplingParams
+from servelm.engine.step_trace import compose
 from servelm.planner.catalog import get_model
-from servelm.sim.executor import DUMMY_TOKEN, SimExecutor, compose
+from servelm.sim.executor import DUMMY_TOKEN, SimExecutor
 from servelm.sim.roofline import PROFILES, ModelCost, pairs_for_request, step_time
 
 H100 = PROFILES["h100-80gb"]

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
+from servelm.engine.step_trace import StepComposition
 from servelm.planner.catalog import get_model
-from servelm.sim.executor import StepComposition
 from servelm.sim.fit import TimedStep, fit_profile, nnls, predict, relative_errors
 from servelm.sim.roofline import ModelCost, measured_profile, pairs_for_request
 
