@@ -177,6 +177,11 @@ def build_model(
     from servelm.model.layers.rotary import RotaryEmbedding
     from servelm.model.llama import LlamaForCausalLM
 
+    if quantization == "int4" and (device.type, dtype) != ("cpu", torch.bfloat16):
+        raise ValueError(
+            f"--quantization int4 needs the CPU and bfloat16 (got {device}, "
+            f"{str(dtype).replace('torch.', '')})"
+        )
     int4 = quantization == "int4" or (
         quantization == "auto" and device.type == "cpu" and _checkpoint_is_4bit(model_dir, dtype)
     )

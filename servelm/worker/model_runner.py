@@ -78,11 +78,6 @@ class ModelRunner:
         self.spec = spec
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, spec, self.device)
-        if quantization == "int4" and (self.device.type, self.dtype) != ("cpu", torch.bfloat16):
-            raise ValueError(
-                f"--quantization int4 needs the CPU and bfloat16 (got {self.device}, "
-                f"{str(self.dtype).replace('torch.', '')})"
-            )
         self.block_size = block_size
         self.max_model_len = max_model_len
         torch.manual_seed(seed)
