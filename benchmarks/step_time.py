@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/step_time.py --dtype bfloat16 --batch 1,16 --context 256
     .venv/bin/python benchmarks/step_time.py --quantization none,auto   # bf16 vs int4 weights
+    .venv/bin/python benchmarks/step_time.py --attention-backend torch,auto   # SDPA vs C kernel
 
 Prints milliseconds per decode step and per prefill of `--prefill` tokens, measured side by side
 for each setting in one run. No server, no HTTP: this isolates the model runner and scheduler.
@@ -58,16 +59,24 @@ def main() -> None:
     ap.add_argument(
         "--quantization", default="auto", help="one or several, comma-separated: auto,none,int4"
     )
+    ap.add_argument(
+        "--attention-backend", default="auto", help="one or several, comma-separated: auto,torch"
+    )
     args = ap.parse_args()
-    for quantization in args.quantization.split(","):
+    settings = [
+        (q, a) for q in args.quantization.split(",") for a in args.attention_backend.split(",")
+    ]
+    for quantization, backend in settings:
         llm = LLM(
             args.model,
             dtype=args.dtype,
             quantization=quantization,
+            attention_backend=backend,
             num_threads=args.num_threads,
             enable_prefix_caching=False,
         )
-        label = f"[{quantization}: {llm.engine.executor.int4_layers} int4 projections]"
+        runner = llm.engine.executor
+        label = f"[{quantization}: {runner.int4_layers} int4 projections; {backend} attention]"
         for b in (int(x) for x in args.batch.split(",")):
             ms = decode_ms(llm, b, args.context, args.steps)
             print(f"{label} decode batch {b:3d} context {args.context}: {ms:7.2f} ms/step")

@@ -41,6 +41,7 @@ class EngineArgs:
     dtype: str = "auto"
     quantization: str = "auto"  # auto: int4 decode weights where lossless (see --quantization)
     device: str = "auto"
+    attention_backend: str = "auto"  # auto: the C decode kernel on the CPU where it builds
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -81,6 +82,14 @@ class EngineArgs:
             "lossless, as for a Q4_1 GGUF such as the default model",
         )
         g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
+        g.add_argument(
+            "--attention-backend",
+            default="auto",
+            choices=["auto", "torch"],
+            help="auto: on the CPU, decode attention runs in servelm's C kernel (built with the "
+            "system C compiler on first use, then cached), else torch; torch: SDPA over "
+            "gathered KV blocks everywhere",
+        )
         g.add_argument("--max-model-len", type=int, default=None)
         g.add_argument("--max-num-seqs", type=int, default=64)
         g.add_argument("--max-num-batched-tokens", type=int, default=2048)

@@ -6,10 +6,12 @@ slot is `block_id * block_size + offset`. A request's block table lists its bloc
     block table  [ 7, 2, 9 ]          block_size = 4, context of 10 tokens
     slots        28 29 30 31 | 8 9 10 11 | 36 37
 
-Decode requests (one query token each) are attended together in one padded batch whose K/V is
-read a whole block at a time (one contiguous copy per block, not one per token); prefill chunks
-one request at a time with a causal mask offset by the tokens already cached.
-The slot indices are built once per step (`AttentionMetadata`) and shared by every layer.
+Decode requests (one query token each) are attended together: on the CPU by servelm's C kernel
+(`kernels/paged_decode.c`), which reads K/V in place through the block table; elsewhere in one
+padded SDPA batch whose K/V is gathered a whole block at a time (one contiguous copy per block,
+not one per token). Prefill chunks run one request at a time through SDPA with a causal mask
+offset by the tokens already cached. The slot indices are built once per step
+(`AttentionMetadata`) and shared by every layer.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from servelm.worker.kernels.paged_decode import PagedDecodeKernel
 
 
 @dataclass
@@ -34,10 +38,12 @@ class PrefillChunk:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
     decode_rows: torch.Tensor | None  # [Bd] rows of the decode tokens (None: all rows are)
-    decode_blocks: torch.Tensor | None  # [Bd * max_blocks] block ids to read, padded per row
+    decode_blocks: torch.Tensor | None  # [Bd, max_blocks] block ids to read, padded per row
+    decode_lens: torch.Tensor | None  # [Bd] context length of each decode token, itself included
     decode_mask: torch.Tensor | None  # [Bd, 1, 1, max_blocks * block_size] 0 real, -inf padding
     prefills: list[PrefillChunk]
     all_decode: bool = False
+    decode_max_len: int = 0
 
 
 def additive_mask(allowed: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -81,7 +87,7 @@ def build_metadata(
         row += num_new
 
     meta = AttentionMetadata(
-        torch.from_numpy(np.concatenate(slot_parts)).to(device), None, None, None, prefills
+        torch.from_numpy(np.concatenate(slot_parts)).to(device), None, None, None, None, prefills
     )
     if decode_rows:
         n, max_blocks = len(decode_rows), max(len(b) for b in decode_blocks)
@@ -89,24 +95,33 @@ def build_metadata(
         for i, blocks in enumerate(decode_blocks):
             padded[i, : len(blocks)] = blocks
         max_ctx = max_blocks * block_size
-        mask = np.arange(max_ctx)[None, :] < np.asarray(decode_lens)[:, None]
+        lens = np.asarray(decode_lens, dtype=np.int64)
+        mask = np.arange(max_ctx)[None, :] < lens[:, None]
         # When every token is a decode, rows are 0..n-1 and no gather/scatter is needed.
         meta.decode_rows = None if n == row else torch.tensor(decode_rows, device=device)
         meta.all_decode = n == row
-        meta.decode_blocks = torch.from_numpy(padded.reshape(-1)).to(device)
+        meta.decode_blocks = torch.from_numpy(padded).to(device)
+        meta.decode_lens = torch.from_numpy(lens).to(device)
+        meta.decode_max_len = int(lens.max())
         meta.decode_mask = additive_mask(mask, dtype, device).view(n, 1, 1, max_ctx)
     return meta
 
 
 class TorchPagedAttention:
-    """The reference backend: correct on CPU and CUDA, built from index ops and SDPA."""
+    """Paged attention from index ops and SDPA, correct on CPU and CUDA; decode tokens go to
+    `decode_kernel` (the CPU C kernel) when one is given."""
 
     def __init__(
-        self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], scale: float, block_size: int
+        self,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        scale: float,
+        block_size: int,
+        decode_kernel: PagedDecodeKernel | None = None,
     ) -> None:
         self.kv_caches = kv_caches
         self.scale = scale
         self.block_size = block_size
+        self.decode_kernel = decode_kernel
         self.meta: AttentionMetadata | None = None
 
     def __call__(
@@ -114,6 +129,8 @@ class TorchPagedAttention:
     ) -> torch.Tensor:
         meta = self.meta
         k_cache, v_cache = self.kv_caches[layer_idx]
+        if meta.all_decode and self.decode_kernel is not None:  # stores k/v and attends
+            return self._decode_kernel(q, k, v, k_cache, v_cache, meta.slot_mapping)
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
         gqa = q.shape[1] != k.shape[1]
@@ -151,11 +168,31 @@ class TorchPagedAttention:
         whole = cache.view(-1, self.block_size, hkv, d).index_select(0, blocks)
         return whole.view(-1, hkv, d)
 
+    def _decode_kernel(self, q, k, v, k_cache, v_cache, slots=None) -> torch.Tensor:
+        """Decode tokens through the C kernel; with `slots` it stores this step's k/v too."""
+        meta = self.meta
+        return self.decode_kernel(
+            q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            slots,
+            meta.decode_blocks,
+            self.block_size,
+            meta.decode_lens,
+            meta.decode_max_len,
+            self.scale,
+        )
+
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, gqa: bool) -> torch.Tensor:
-        """One query token per request, all requests in one padded SDPA call."""
+        """One query token per request, all requests in one padded SDPA call (or the kernel)."""
+        if self.decode_kernel is not None:  # k/v are in the cache already
+            return self._decode_kernel(q, None, None, k_cache, v_cache)
         bd, hkv, d = q.shape[0], k_cache.shape[1], k_cache.shape[2]
-        kd = self._read_blocks(k_cache, meta.decode_blocks).view(bd, -1, hkv, d).transpose(1, 2)
-        vd = self._read_blocks(v_cache, meta.decode_blocks).view(bd, -1, hkv, d).transpose(1, 2)
+        blocks = meta.decode_blocks.view(-1)
+        kd = self._read_blocks(k_cache, blocks).view(bd, -1, hkv, d).transpose(1, 2)
+        vd = self._read_blocks(v_cache, blocks).view(bd, -1, hkv, d).transpose(1, 2)
         # kd, vd: [Bd, Hkv, max_blocks * block_size, D]
         od = F.scaled_dot_product_attention(
             q.unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=gqa

@@ -20,6 +20,7 @@ from servelm.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from servelm.model.config import ModelSpec
 from servelm.model.loader import build_model
 from servelm.worker.attention import TorchPagedAttention, build_metadata
+from servelm.worker.kernels.paged_decode import PagedDecodeKernel
 from servelm.worker.sampler import SamplingBatch, sample
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ class ModelRunner:
         dtype: str = "auto",
         quantization: str = "auto",
         device: str = "auto",
+        attention_backend: str = "auto",
         block_size: int = 16,
         max_model_len: int,
         seed: int = 0,
@@ -80,6 +82,9 @@ class ModelRunner:
         self.dtype = resolve_dtype(dtype, spec, self.device)
         self.block_size = block_size
         self.max_model_len = max_model_len
+        if attention_backend not in ("auto", "torch"):
+            raise ValueError(f"unknown attention backend {attention_backend!r}; choose auto, torch")
+        self.attention_backend = attention_backend
         torch.manual_seed(seed)
         if self.device.type == "cpu":
             # Every core: a decode step is bound by reading the weights, which both cores do
@@ -127,8 +132,19 @@ class ModelRunner:
             (zeros(shape, self.dtype, self.device), zeros(shape, self.dtype, self.device))
             for _ in range(self.spec.num_layers)
         ]
-        self.attn = TorchPagedAttention(caches, self.spec.head_dim**-0.5, self.block_size)
+        kernel = None
+        if self.attention_backend == "auto" and self.device.type == "cpu":
+            kernel = PagedDecodeKernel.load(self.dtype, self.spec.head_dim)
+        self.attn = TorchPagedAttention(
+            caches, self.spec.head_dim**-0.5, self.block_size, decode_kernel=kernel
+        )
         self.num_blocks = num_blocks
+
+    @property
+    def decode_attention(self) -> str:
+        """Which code attends decode tokens: the C kernel or torch's SDPA."""
+        kernel = self.attn.decode_kernel if self.attn else None
+        return f"C kernel ({kernel.name})" if kernel else "torch SDPA over gathered blocks"
 
     def _dummy_forward(self, num_tokens: int) -> None:
         """A forward without a KV cache of its own: writes into a throwaway single block."""

@@ -1,9 +1,14 @@
-"""servelm matches transformers on a tiny random-weight Llama: batched, prefix-cached, chunked, preempted."""
+"""servelm matches transformers on a tiny random-weight Llama: batched, prefix-cached, chunked, preempted.
+
+Decode attention runs in the C kernel (`attention_backend="auto"` on the CPU) unless a test
+asks for torch's SDPA path, which CUDA uses; both must match the reference.
+"""
 
 import pytest
 import torch
 
 from servelm import LLM, SamplingParams
+from servelm.worker.kernels.build import compiler
 from tests.golden import compare_with_hf
 
 
@@ -21,8 +26,14 @@ def prompts(seed: int, n: int = 8, shared: int = 0, vocab: int = 380) -> list[li
     return [prefix + torch.randint(3, vocab, (n_,), generator=g).tolist() for n_ in lengths]
 
 
-def test_batched_greedy_matches_transformers(tiny_model_dir, hf_model):
-    llm = LLM(str(tiny_model_dir), dtype="float32", kv_cache_memory="4MiB")
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_batched_greedy_matches_transformers(tiny_model_dir, hf_model, backend):
+    llm = LLM(
+        str(tiny_model_dir), dtype="float32", kv_cache_memory="4MiB", attention_backend=backend
+    )
+    # auto builds the C kernel wherever a C compiler is installed, and falls back to torch
+    expected = "C kernel" if backend == "auto" and compiler() else "torch SDPA"
+    assert llm.engine.executor.decode_attention.startswith(expected)
     agreed = compare_with_hf(llm, hf_model, prompts(0), 24, SamplingParams)
     assert agreed == [24] * 8
     llm.engine.check_integrity()
@@ -35,9 +46,15 @@ def test_shared_prefix_hits_cache_and_still_matches(tiny_model_dir, hf_model):
     assert llm.totals.prefix_cache_hits >= 7 * 192
 
 
-def test_chunked_prefill_matches(tiny_model_dir, hf_model):
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_chunked_prefill_matches(tiny_model_dir, hf_model, backend):
+    # Steps mix decode tokens with prefill chunks: the decode rows take the kernel's other entry.
     llm = LLM(
-        str(tiny_model_dir), dtype="float32", kv_cache_memory="4MiB", max_num_batched_tokens=32
+        str(tiny_model_dir),
+        dtype="float32",
+        kv_cache_memory="4MiB",
+        max_num_batched_tokens=32,
+        attention_backend=backend,
     )
     agreed = compare_with_hf(llm, hf_model, prompts(2), 16, SamplingParams)
     assert agreed == [16] * 8

@@ -1,0 +1,93 @@
+"""Compile a C source shipped with servelm into a shared library, once per machine and source.
+
+The library is built with `-march=native` for the CPU it runs on, so the cache key holds the
+CPU's feature flags as well as the source, the compiler and its flags: a cache folder shared
+between machines never hands one of them code for another's instruction set. OpenMP comes from
+the libgomp torch has already loaded (same soname), so the kernel and torch share one thread
+pool and `torch.set_num_threads` governs both.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shlex
+import shutil
+import subprocess
+import sysconfig
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import platformdirs
+
+logger = logging.getLogger(__name__)
+
+CFLAGS = ["-O3", "-march=native", "-std=gnu11", "-fopenmp", "-fPIC", "-shared"]
+COMPILE_TIMEOUT_S = 120
+
+
+def cache_dir() -> Path:
+    return Path(platformdirs.user_cache_dir("servelm")) / "kernels"
+
+
+def compiler() -> list[str] | None:
+    """$CC, else the compiler Python was built with, else `cc`; None when none is installed."""
+    for candidate in (os.environ.get("CC"), sysconfig.get_config_var("CC"), "cc"):
+        if candidate:
+            argv = shlex.split(candidate)
+            if shutil.which(argv[0]):
+                return argv
+    return None
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+@cache
+def load_library(source: Path) -> ctypes.CDLL | None:
+    """The compiled library for `source`, built if it is not cached yet; None (with a warning)
+    when there is no C compiler or the build fails."""
+    cc = compiler()
+    if cc is None:
+        logger.warning("no C compiler found ($CC, cc): %s is not built; using torch", source.name)
+        return None
+    version = subprocess.run([*cc, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(
+        "\0".join(
+            [source.read_text(), " ".join(cc), version, " ".join(CFLAGS), _cpu_flags()]
+        ).encode()
+    ).hexdigest()[:16]
+    target = cache_dir() / f"{source.stem}-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        try:
+            subprocess.run(
+                [*cc, *CFLAGS, "-o", tmp, str(source), "-lm"],
+                check=True,
+                capture_output=True,
+                text=True,
+                timeout=COMPILE_TIMEOUT_S,
+            )
+            os.replace(tmp, target)  # atomic: a concurrent build never sees half a file
+        except (subprocess.SubprocessError, OSError) as e:
+            detail = getattr(e, "stderr", None) or str(e)
+            logger.warning("building %s failed; using torch:\n%s", source.name, detail[-2000:])
+            Path(tmp).unlink(missing_ok=True)
+            return None
+    try:
+        return ctypes.CDLL(str(target))
+    except OSError as e:
+        logger.warning("loading %s failed; using torch: %s", target, e)
+        return None

@@ -1,0 +1,107 @@
+"""The CPU decode attention of `paged_decode.c`, called on torch tensors.
+
+    kernel = PagedDecodeKernel.load(torch.bfloat16, head_dim=64)   # None: use the torch path
+    out = kernel(q, k, v, k_cache, v_cache, slots, block_tables, block_size, context_lens,
+                 max_len, scale)
+
+q [B, Hq, D], k/v [B, Hkv, D] (rows may be strided views into a fused projection output);
+caches [num_slots, Hkv, D]; block_tables [B, max_blocks] int64; context_lens [B] int64, each
+counting the new token. `slots` [B] int64 stores k/v in the caches first; with None the caller
+has stored them already (k and v may then be None).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from servelm.worker.kernels.build import load_library
+
+SOURCE = Path(__file__).with_name("paged_decode.c")
+_TYPES = {torch.bfloat16: "bf16", torch.float32: "f32"}
+_HEAD_DIMS = (16, 32, 64, 128)  # the sizes paged_decode.c exports
+
+# The exported functions' signature: q, q_stride, k, k_stride, v, v_stride, k_cache, v_cache,
+# slots, block_tables, max_blocks, context_lens, B, Hq, Hkv, block_size, max_len, scale, out.
+_ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
+_ARGTYPES = [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr]
+_ARGTYPES += [_i64] * 5 + [ctypes.c_float, _ptr]
+
+
+class PagedDecodeKernel:
+    def __init__(self, fn: ctypes._CFuncPtr, dtype: torch.dtype, head_dim: int) -> None:
+        self.fn = fn
+        self.name = fn.__name__
+        self.dtype = dtype
+        self.head_dim = head_dim
+
+    @classmethod
+    def load(cls, dtype: torch.dtype, head_dim: int) -> PagedDecodeKernel | None:
+        """The kernel for this cache dtype and head size, or None where there is none (other
+        dtypes or head sizes, or no C compiler on this machine)."""
+        if dtype not in _TYPES or head_dim not in _HEAD_DIMS:
+            return None
+        lib = load_library(SOURCE)
+        if lib is None:
+            return None
+        fn = getattr(lib, f"paged_decode_{_TYPES[dtype]}_d{head_dim}")
+        fn.argtypes, fn.restype = _ARGTYPES, None
+        return cls(fn, dtype, head_dim)
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor | None,
+        block_tables: torch.Tensor,
+        block_size: int,
+        context_lens: torch.Tensor,
+        max_len: int,
+        scale: float,
+    ) -> torch.Tensor:
+        if slots is None:  # stored already: the new rows are not read
+            k = v = q.new_empty((0, 0, 0))
+        q, k, v = (_rows_of_heads(t) for t in (q, k, v))
+        indices = (block_tables, context_lens) + (() if slots is None else (slots,))
+        if any(t.dtype != self.dtype for t in (q, k, v, k_cache, v_cache)):
+            raise ValueError(f"this kernel is for {self.dtype} tensors")
+        if any(t.dtype != torch.int64 for t in indices):
+            raise ValueError("block tables, context lengths and slots must be int64")
+        if not all(t.is_contiguous() for t in (k_cache, v_cache, *indices)):
+            raise ValueError("caches, block tables, context lengths and slots must be contiguous")
+        batch, num_heads, _ = q.shape
+        out = torch.empty((batch, num_heads, self.head_dim), dtype=self.dtype)
+        self.fn(
+            q.data_ptr(),
+            q.stride(0),
+            k.data_ptr(),
+            k.stride(0),
+            v.data_ptr(),
+            v.stride(0),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            None if slots is None else slots.data_ptr(),
+            block_tables.data_ptr(),
+            block_tables.shape[1],
+            context_lens.data_ptr(),
+            batch,
+            num_heads,
+            k_cache.shape[1],
+            block_size,
+            max_len,
+            scale,
+            out.data_ptr(),
+        )
+        return out
+
+
+def _rows_of_heads(t: torch.Tensor) -> torch.Tensor:
+    """t [B, H, D] whose heads lie side by side in each row (a row may be a strided view)."""
+    if t.stride(2) == 1 and t.stride(1) == t.shape[2]:
+        return t
+    return t.contiguous()

@@ -1,0 +1,112 @@
+"""The C decode-attention kernel against the float64 reference and torch's SDPA path."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from servelm.worker.attention import TorchPagedAttention, build_metadata
+from servelm.worker.kernels.build import compiler, load_library
+from servelm.worker.kernels.paged_decode import PagedDecodeKernel
+
+BLOCK = 16
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # bf16: the output's own rounding
+
+needs_compiler = pytest.mark.skipif(compiler() is None, reason="no C compiler on this machine")
+
+
+def make_cache(num_blocks, hkv, d, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [tuple(torch.randn(num_blocks * BLOCK, hkv, d, generator=g).to(dtype) for _ in range(2))]
+
+
+def scattered_tables(lens, num_blocks, seed=0):
+    """Each sequence's blocks, drawn at random from the pool (as a busy cache hands them out)."""
+    perm = np.random.default_rng(seed).permutation(num_blocks).tolist()
+    tables = []
+    for n in lens:
+        need = -(-n // BLOCK)
+        tables.append(perm[:need])
+        perm = perm[need:]
+    return tables
+
+
+def reference(q, k_cache, v_cache, tables, lens, scale):
+    """Attention of each decode query over its context, in float64, one sequence at a time."""
+    hq, hkv = q.shape[1], k_cache.shape[1]
+    out = []
+    for b, (table, n) in enumerate(zip(tables, lens, strict=True)):
+        slots = torch.tensor([table[t // BLOCK] * BLOCK + t % BLOCK for t in range(n)])
+        k = k_cache[slots].double().repeat_interleave(hq // hkv, dim=1)  # [n, Hq, D]
+        v = v_cache[slots].double().repeat_interleave(hq // hkv, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[b].double(), k) * scale
+        out.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), v))
+    return torch.stack(out)
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d,hq,hkv", [(16, 4, 2), (64, 9, 3), (128, 8, 8)])
+def test_decode_matches_reference_and_sdpa(dtype, d, hq, hkv):
+    # Lengths cover one token, part of a block, whole blocks and blocks plus a remainder.
+    lens = [1, 3, 16, 17, 64, 255]
+    num_blocks = 64
+    tables = scattered_tables(lens, num_blocks)
+    kernel = PagedDecodeKernel.load(dtype, d)
+    assert kernel is not None
+    scale = d**-0.5
+    g = torch.Generator().manual_seed(1)
+    # q, k and v as views into one fused projection output, as the model hands them over.
+    qkv = torch.randn(len(lens), hq + 2 * hkv, d, generator=g).to(dtype)
+    q, k, v = qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]
+    seqs = [(n - 1, 1, table) for n, table in zip(lens, tables, strict=True)]
+
+    outs = {}
+    for name, decode_kernel in (("kernel", kernel), ("sdpa", None)):
+        caches = make_cache(num_blocks, hkv, d, dtype)
+        attn = TorchPagedAttention(caches, scale, BLOCK, decode_kernel=decode_kernel)
+        attn.meta = build_metadata(seqs, BLOCK, torch.device("cpu"), dtype)
+        outs[name] = attn(0, q, k, v)
+        # The new token's K/V landed in its slot.
+        for b, (n, table) in enumerate(zip(lens, tables, strict=True)):
+            slot = table[(n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK
+            assert torch.equal(caches[0][0][slot], k[b]) and torch.equal(caches[0][1][slot], v[b])
+    want = reference(q, *caches[0], tables, lens, scale)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(outs["kernel"].double(), want, atol=tol, rtol=tol)
+    torch.testing.assert_close(outs["sdpa"].double(), want, atol=tol, rtol=tol)
+
+
+@needs_compiler
+def test_decode_rows_of_a_mixed_step_match_sdpa():
+    # One prefill chunk (on top of cached tokens) between two decode tokens.
+    dtype, d, hq, hkv = torch.float32, 64, 9, 3
+    seqs = [(40, 1, [3, 7, 9]), (20, 12, [1, 5]), (99, 1, [0, 2, 4, 6, 8, 10, 11])]
+    g = torch.Generator().manual_seed(2)
+    qkv = torch.randn(14, hq + 2 * hkv, d, generator=g)
+    q, k, v = qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]
+    outs = []
+    for decode_kernel in (PagedDecodeKernel.load(dtype, d), None):
+        attn = TorchPagedAttention(make_cache(12, hkv, d, dtype), 0.125, BLOCK, decode_kernel)
+        attn.meta = build_metadata(seqs, BLOCK, torch.device("cpu"), dtype)
+        assert not attn.meta.all_decode
+        outs.append(attn(0, q, k, v))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+
+
+def test_no_kernel_for_other_dtypes_or_head_sizes():
+    assert PagedDecodeKernel.load(torch.float16, 64) is None
+    assert PagedDecodeKernel.load(torch.bfloat16, 80) is None
+
+
+@needs_compiler
+def test_a_source_that_does_not_compile_falls_back_with_a_warning(tmp_path, caplog):
+    bad = tmp_path / "broken.c"
+    bad.write_text("int f( {\n")
+    with caplog.at_level(logging.WARNING, logger="servelm.worker.kernels.build"):
+        assert load_library(bad) is None
+    assert "building broken.c failed; using torch" in caplog.text
+    assert "error" in caplog.text  # the compiler's own message is passed on
