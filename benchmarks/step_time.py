@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/step_time.py --dtype bfloat16 --batch 1,16 --context 256
     .venv/bin/python benchmarks/step_time.py --quantization none,auto   # bf16 vs int4 weights
-    .venv/bin/python benchmarks/step_time.py --attention-backend torch,auto   # SDPA vs C kernel
+    .venv/bin/python benchmarks/step_time.py --kernels torch,auto   # torch ops vs C kernels
 
 Prints milliseconds per decode step and per prefill of `--prefill` tokens, measured side by side
 for each setting in one run. No server, no HTTP: this isolates the model runner and scheduler.
@@ -59,24 +59,20 @@ def main() -> None:
     ap.add_argument(
         "--quantization", default="auto", help="one or several, comma-separated: auto,none,int4"
     )
-    ap.add_argument(
-        "--attention-backend", default="auto", help="one or several, comma-separated: auto,torch"
-    )
+    ap.add_argument("--kernels", default="auto", help="one or several, comma-separated: auto,torch")
     args = ap.parse_args()
-    settings = [
-        (q, a) for q in args.quantization.split(",") for a in args.attention_backend.split(",")
-    ]
+    settings = [(q, a) for q in args.quantization.split(",") for a in args.kernels.split(",")]
     for quantization, backend in settings:
         llm = LLM(
             args.model,
             dtype=args.dtype,
             quantization=quantization,
-            attention_backend=backend,
+            kernels=backend,
             num_threads=args.num_threads,
             enable_prefix_caching=False,
         )
         runner = llm.engine.executor
-        label = f"[{quantization}: {runner.int4_layers} int4 projections; {backend} attention]"
+        label = f"[{quantization}: {runner.int4_layers} int4 projections; {backend} kernels]"
         for b in (int(x) for x in args.batch.split(",")):
             ms = decode_ms(llm, b, args.context, args.steps)
             print(f"{label} decode batch {b:3d} context {args.context}: {ms:7.2f} ms/step")

@@ -41,7 +41,7 @@ class EngineArgs:
     dtype: str = "auto"
     quantization: str = "auto"  # auto: int4 decode weights where lossless (see --quantization)
     device: str = "auto"
-    attention_backend: str = "auto"  # auto: the C decode kernel on the CPU where it builds
+    kernels: str = "auto"  # auto: servelm's C kernels on the CPU where they build; torch
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -83,12 +83,12 @@ class EngineArgs:
         )
         g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
         g.add_argument(
-            "--attention-backend",
+            "--kernels",
             default="auto",
             choices=["auto", "torch"],
-            help="auto: on the CPU, decode attention runs in servelm's C kernel (built with the "
-            "system C compiler on first use, then cached), else torch; torch: SDPA over "
-            "gathered KV blocks everywhere",
+            help="auto: on the CPU, decode attention and the fused norm / rotary / SiLU layers "
+            "run in servelm's C kernels (built with the system C compiler on first use, then "
+            "cached), torch where they cannot be built; torch: torch ops only, as on CUDA",
         )
         g.add_argument("--max-model-len", type=int, default=None)
         g.add_argument("--max-num-seqs", type=int, default=64)

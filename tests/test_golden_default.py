@@ -157,8 +157,11 @@ def test_preemption_recomputes_correctly(default_model_dir, reference, prompts):
 def test_bfloat16_serving_weights_match(default_model_dir, reference, prompts, quantization):
     """What `servelm serve` runs by default: bf16, and the model's Q4_1 projections as int4.
 
-    bf16 flips near-ties sooner than float32; every divergence must still be a near-tie (the
-    golden rule). Measured full agreements of 8: bf16 weights 3, int4 weights 4."""
+    bf16 flips near-ties sooner than float32, and one flip sends the rest of a greedy answer
+    elsewhere, so how many of 8 answers agree to the end is a lottery (on 24 other prompts,
+    16-17 of 24). Teacher-forced, each position is its own trial: given the prompt and
+    transformers' first i tokens, servelm's next token must be transformers', but for near-ties
+    (measured: 6-8 misses of 256 with the C kernels or with torch ops only)."""
     llm = LLM(
         str(default_model_dir),
         dtype="bfloat16",
@@ -166,5 +169,19 @@ def test_bfloat16_serving_weights_match(default_model_dir, reference, prompts, q
         kv_cache_memory="128MiB",
     )
     assert llm.engine.executor.int4_layers == (120 if quantization == "auto" else 0)
-    agreed = check(llm, reference, prompts)
-    assert sum(a == MAX_TOKENS for a in agreed) >= 3, agreed
+    check(llm, reference, prompts)  # the golden rule, free-running
+    forced, want = [], []
+    for prompt in prompts:
+        theirs, tops = reference(prompt)
+        for i in range(MAX_TOKENS):
+            forced.append(prompt + theirs[:i])
+            want.append((theirs[i], tops[i]))
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=TOP)
+    misses = 0
+    for res, (token, their_top) in zip(llm.generate(forced, params), want, strict=True):
+        comp = res.outputs[0]
+        if comp.token_ids[0] != token:
+            misses += 1
+            assert comp.token_ids[0] in their_top and token in our_tops(comp)[0]
+    print(f"teacher-forced misses: {misses} of {len(forced)}")
+    assert misses <= len(forced) // 20, misses

@@ -1,7 +1,9 @@
 """The Llama family (Llama 2/3/3.1, SmolLM, Mistral, Qwen2) as one decoder-only model.
 
 Projections are fused at load time: q/k/v into `qkv_proj` and gate/up into `gate_up_proj`, so
-a layer runs two matmuls where the checkpoint has five. Attention over the paged KV cache is
+a layer runs two matmuls where the checkpoint has five. Each norm first adds the previous
+sublayer's output to the residual stream; with `use_cpu_ops` the norms, the rotary embedding
+and SiLU-and-multiply run as fused C ops on CPU tensors (same roundings as the torch ops). Attention over the paged KV cache is
 delegated to the `attn` object passed to `forward` (the worker's attention backend); the model
 knows nothing about blocks, batches or devices.
 
@@ -18,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from servelm.kernels.cpu_ops import CpuOps
 from servelm.model.config import ModelSpec
 from servelm.model.layers.embedding import Embedding
 from servelm.model.layers.linear import Linear, LogitsHead, pack_linears_for_cpu
@@ -35,6 +38,8 @@ class PagedAttention(Protocol):
 
 
 class LlamaAttention(nn.Module):
+    cpu_ops: CpuOps | None = None
+
     def __init__(self, spec: ModelSpec, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -59,12 +64,16 @@ class LlamaAttention(nn.Module):
         hq, hkv = self.num_heads, self.num_kv_heads
         # q, k and v heads are contiguous in the fused output: rotate q and k in one pass.
         qkv = self.qkv_proj(x).view(T, hq + 2 * hkv, self.head_dim)
-        qk = apply_rotary(qkv[:, : hq + hkv], cos_sin)
+        qk = qkv[:, : hq + hkv]
+        if not (self.cpu_ops and self.cpu_ops.rotary_(qk, *cos_sin)):
+            qk = apply_rotary(qk, cos_sin)
         out = attn(self.layer_idx, qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :])
         return self.o_proj(out.reshape(T, -1))
 
 
 class LlamaMLP(nn.Module):
+    cpu_ops: CpuOps | None = None
+
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         inter = spec.intermediate_size
@@ -74,8 +83,12 @@ class LlamaMLP(nn.Module):
         self.inter = inter
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        h = self.cpu_ops and self.cpu_ops.silu_and_mul(gate_up)
+        if h is None:
+            gate, up = gate_up.split(self.inter, dim=-1)
+            h = F.silu(gate) * up
+        return self.down_proj(h)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -86,12 +99,16 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = LlamaMLP(spec)
 
-    def forward(self, x, cos_sin, attn):
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, delta, cos_sin, attn):
+        """x: the residual stream; delta: what the previous layer adds to it (None before the
+        first layer). Returns the stream and this layer's own addition, for the next norm."""
+        h, x = self.input_layernorm(x, delta)
+        h, x = self.post_attention_layernorm(x, self.self_attn(h, cos_sin, attn))
+        return x, self.mlp(h)
 
 
 class LlamaForCausalLM(nn.Module):
+    cpu_ops: CpuOps | None = None
     # checkpoint name fragment -> (our fused parameter fragment, shard)
     packed_modules = {
         "q_proj": ("qkv_proj", "q"),
@@ -129,11 +146,18 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: PagedAttention
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x, delta = self.embed_tokens(input_ids), None
         cos_sin = self.rope.lookup(positions)
         for layer in self.layers:
-            x = layer(x, cos_sin, attn)
-        return self.norm(x)
+            x, delta = layer(x, delta, cos_sin, attn)
+        return self.norm(x, delta)[0]
+
+    def use_cpu_ops(self, ops: CpuOps | None) -> None:
+        """Run the norms, rotary and SiLU-and-multiply as fused C ops (None: torch ops)."""
+        self.cpu_ops = ops
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, LlamaAttention, LlamaMLP)):
+                module.cpu_ops = ops
 
     def prepare_for_inference(self) -> None:
         """Once the weights are loaded: repack matmul weights where the device gains from it."""

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from servelm.worker.kernels.paged_decode import PagedDecodeKernel
+from servelm.kernels.paged_decode import PagedDecodeKernel
 
 
 @dataclass

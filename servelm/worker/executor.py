@@ -48,7 +48,7 @@ def create_engine_core(
         dtype=args.dtype,
         quantization=args.quantization,
         device=args.device,
-        attention_backend=args.attention_backend,
+        kernels=args.kernels,
         block_size=args.block_size,
         max_model_len=max_model_len,
         seed=args.seed,
@@ -71,7 +71,7 @@ def create_engine_core(
             "no memory left for the KV cache; raise --kv-cache-memory or --gpu-memory-utilization"
         )
     runner.allocate_kv_cache(num_blocks)
-    logger.info("decode attention: %s", runner.decode_attention)
+    logger.info("kernels: %s", runner.kernel_summary)
     tokens = num_blocks * args.block_size
     logger.info(
         "KV cache: %d tokens in %d blocks of %d (%.3f GiB, %d B/token); max concurrency at "

@@ -17,10 +17,11 @@ import numpy as np
 import torch
 
 from servelm.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from servelm.kernels.cpu_ops import CpuOps
+from servelm.kernels.paged_decode import PagedDecodeKernel
 from servelm.model.config import ModelSpec
 from servelm.model.loader import build_model
 from servelm.worker.attention import TorchPagedAttention, build_metadata
-from servelm.worker.kernels.paged_decode import PagedDecodeKernel
 from servelm.worker.sampler import SamplingBatch, sample
 
 logger = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ class ModelRunner:
         dtype: str = "auto",
         quantization: str = "auto",
         device: str = "auto",
-        attention_backend: str = "auto",
+        kernels: str = "auto",
         block_size: int = 16,
         max_model_len: int,
         seed: int = 0,
@@ -82,9 +83,9 @@ class ModelRunner:
         self.dtype = resolve_dtype(dtype, spec, self.device)
         self.block_size = block_size
         self.max_model_len = max_model_len
-        if attention_backend not in ("auto", "torch"):
-            raise ValueError(f"unknown attention backend {attention_backend!r}; choose auto, torch")
-        self.attention_backend = attention_backend
+        if kernels not in ("auto", "torch"):
+            raise ValueError(f"unknown kernels {kernels!r}; choose auto, torch")
+        self.use_c_kernels = kernels == "auto" and self.device.type == "cpu"
         torch.manual_seed(seed)
         if self.device.type == "cpu":
             # Every core: a decode step is bound by reading the weights, which both cores do
@@ -97,6 +98,7 @@ class ModelRunner:
         )
         self.weight_bytes = self.model.weight_bytes
         self.int4_layers = self.model.int4_layers
+        self.model.use_cpu_ops(CpuOps.load() if self.use_c_kernels else None)
         self.load_seconds = time.perf_counter() - t0
         self.attn: TorchPagedAttention | None = None
         self.generators: dict[str, torch.Generator] = {}
@@ -133,7 +135,7 @@ class ModelRunner:
             for _ in range(self.spec.num_layers)
         ]
         kernel = None
-        if self.attention_backend == "auto" and self.device.type == "cpu":
+        if self.use_c_kernels:
             kernel = PagedDecodeKernel.load(self.dtype, self.spec.head_dim)
         self.attn = TorchPagedAttention(
             caches, self.spec.head_dim**-0.5, self.block_size, decode_kernel=kernel
@@ -141,10 +143,12 @@ class ModelRunner:
         self.num_blocks = num_blocks
 
     @property
-    def decode_attention(self) -> str:
-        """Which code attends decode tokens: the C kernel or torch's SDPA."""
+    def kernel_summary(self) -> str:
+        """Which code runs decode attention and the element-wise layers."""
         kernel = self.attn.decode_kernel if self.attn else None
-        return f"C kernel ({kernel.name})" if kernel else "torch SDPA over gathered blocks"
+        attention = f"C {kernel.name}" if kernel else "torch SDPA over gathered blocks"
+        layers = "C cpu_ops" if self.model.cpu_ops else "torch ops"
+        return f"decode attention: {attention}; norm, rotary, SiLU: {layers}"
 
     def _dummy_forward(self, num_tokens: int) -> None:
         """A forward without a KV cache of its own: writes into a throwaway single block."""

@@ -1,14 +1,15 @@
 """servelm matches transformers on a tiny random-weight Llama: batched, prefix-cached, chunked, preempted.
 
-Decode attention runs in the C kernel (`attention_backend="auto"` on the CPU) unless a test
-asks for torch's SDPA path, which CUDA uses; both must match the reference.
+Decode attention and the norm / rotary / SiLU layers run in servelm's C kernels
+(`kernels="auto"` on the CPU) unless a test asks for torch ops only, as CUDA runs; both must
+match the reference.
 """
 
 import pytest
 import torch
 
 from servelm import LLM, SamplingParams
-from servelm.worker.kernels.build import compiler
+from servelm.kernels.build import compiler
 from tests.golden import compare_with_hf
 
 
@@ -28,12 +29,12 @@ def prompts(seed: int, n: int = 8, shared: int = 0, vocab: int = 380) -> list[li
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])
 def test_batched_greedy_matches_transformers(tiny_model_dir, hf_model, backend):
-    llm = LLM(
-        str(tiny_model_dir), dtype="float32", kv_cache_memory="4MiB", attention_backend=backend
-    )
-    # auto builds the C kernel wherever a C compiler is installed, and falls back to torch
-    expected = "C kernel" if backend == "auto" and compiler() else "torch SDPA"
-    assert llm.engine.executor.decode_attention.startswith(expected)
+    llm = LLM(str(tiny_model_dir), dtype="float32", kv_cache_memory="4MiB", kernels=backend)
+    # auto builds the C kernels wherever a C compiler is installed, and falls back to torch
+    with_c = backend == "auto" and compiler() is not None
+    summary = llm.engine.executor.kernel_summary
+    assert ("decode attention: C paged_decode_f32_d16" in summary) == with_c, summary
+    assert ("norm, rotary, SiLU: C cpu_ops" in summary) == with_c, summary
     agreed = compare_with_hf(llm, hf_model, prompts(0), 24, SamplingParams)
     assert agreed == [24] * 8
     llm.engine.check_integrity()
@@ -54,7 +55,7 @@ def test_chunked_prefill_matches(tiny_model_dir, hf_model, backend):
         dtype="float32",
         kv_cache_memory="4MiB",
         max_num_batched_tokens=32,
-        attention_backend=backend,
+        kernels=backend,
     )
     agreed = compare_with_hf(llm, hf_model, prompts(2), 16, SamplingParams)
     assert agreed == [16] * 8

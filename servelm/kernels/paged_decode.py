@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from servelm.worker.kernels.build import load_library
+from servelm.kernels.build import load_library
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
 _TYPES = {torch.bfloat16: "bf16", torch.float32: "f32"}

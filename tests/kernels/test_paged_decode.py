@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from servelm.kernels.build import compiler, load_library
+from servelm.kernels.paged_decode import PagedDecodeKernel
 from servelm.worker.attention import TorchPagedAttention, build_metadata
-from servelm.worker.kernels.build import compiler, load_library
-from servelm.worker.kernels.paged_decode import PagedDecodeKernel
 
 BLOCK = 16
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # bf16: the output's own rounding
@@ -106,7 +106,7 @@ def test_no_kernel_for_other_dtypes_or_head_sizes():
 def test_a_source_that_does_not_compile_falls_back_with_a_warning(tmp_path, caplog):
     bad = tmp_path / "broken.c"
     bad.write_text("int f( {\n")
-    with caplog.at_level(logging.WARNING, logger="servelm.worker.kernels.build"):
+    with caplog.at_level(logging.WARNING, logger="servelm.kernels.build"):
         assert load_library(bad) is None
     assert "building broken.c failed; using torch" in caplog.text
     assert "error" in caplog.text  # the compiler's own message is passed on

@@ -1,0 +1,90 @@
+"""The fused C layers give what the torch ops they replace give.
+
+bfloat16, the dtype they serve in: bit for bit, but for a float32 sum (norm) or e^x (SiLU)
+computed in another order, which now and then rounds a result the other way. float32: to a few
+ulps, since the compiler may fuse a multiply and an add that torch rounds separately.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from servelm.kernels.build import compiler
+from servelm.kernels.cpu_ops import CpuOps
+from servelm.model.layers.norm import RMSNorm
+from servelm.model.layers.rotary import RotaryEmbedding, apply_rotary
+
+pytestmark = pytest.mark.skipif(compiler() is None, reason="no C compiler on this machine")
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+@pytest.fixture(scope="module")
+def ops() -> CpuOps:
+    loaded = CpuOps.load()
+    assert loaded is not None
+    return loaded
+
+
+def randn(*shape, dtype, seed=0, scale=1.0):
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
+
+
+def assert_matches(got, want, rare_flips: bool = False):
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, want)
+    elif rare_flips:
+        assert (got != want).float().mean().item() < 1e-3
+        torch.testing.assert_close(got, want)  # and a flip is one rounding step
+    else:
+        assert torch.equal(got, want)
+
+
+def reference_norm(norm: RMSNorm, x, delta):
+    norm.cpu_ops = None
+    return norm(x.clone(), delta)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 16, 300])  # 300 x 576 takes the threaded path
+def test_add_rms_norm_matches_torch(ops, dtype, rows):
+    norm = RMSNorm(576, 1e-5).to(dtype)
+    norm.weight.data = randn(576, dtype=dtype, seed=1)
+    x, delta = randn(rows, 576, dtype=dtype, seed=2), randn(rows, 576, dtype=dtype, seed=3)
+    for d in (None, delta):
+        want_out, want_x = reference_norm(norm, x, d)
+        got_x = x.clone()
+        got_out, returned_x = ops.add_rms_norm(got_x, d, norm.weight, norm.eps)
+        assert returned_x is got_x  # the residual stream is updated in place
+        assert_matches(got_x, want_x)
+        assert_matches(got_out, want_out, rare_flips=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_in_place_matches_torch(ops, dtype):
+    T, hq, hkv, D = 37, 9, 3, 64
+    rope = RotaryEmbedding(D, 4096, 10000.0, None, dtype=dtype)
+    cos_sin = rope.lookup(torch.randint(0, 4096, (T,), generator=torch.Generator().manual_seed(4)))
+    qkv = randn(T, hq + 2 * hkv, D, dtype=dtype, seed=5)
+    want = apply_rotary(qkv[:, : hq + hkv], cos_sin)
+    v_before = qkv[:, hq + hkv :].clone()
+    assert ops.rotary_(qkv[:, : hq + hkv], *cos_sin)  # a strided view into the fused output
+    assert_matches(qkv[:, : hq + hkv], want)
+    assert torch.equal(qkv[:, hq + hkv :], v_before)  # values are left alone
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_torch(ops, dtype):
+    gate_up = randn(50, 2 * 1536, dtype=dtype, seed=6, scale=4.0)
+    gate, up = gate_up.split(1536, dim=-1)
+    want = F.silu(gate) * up
+    assert_matches(ops.silu_and_mul(gate_up), want, rare_flips=True)
+
+
+def test_other_dtypes_and_layouts_are_declined(ops):
+    half = torch.zeros(4, 64, dtype=torch.float16)
+    assert ops.add_rms_norm(half, None, torch.ones(64, dtype=torch.float16), 1e-5) is None
+    assert ops.silu_and_mul(torch.zeros(4, 64).t()) is None  # not contiguous
+    cos = torch.zeros(4, 1, 64)
+    assert not ops.rotary_(torch.zeros(4, 2, 64, dtype=torch.float16), cos, cos)
