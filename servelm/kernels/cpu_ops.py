@@ -30,66 +30,63 @@ _SIGNATURES = {
 }
 
 
-def _takes(*tensors: torch.Tensor) -> bool:
-    first = tensors[0]
-    return first.dtype in _SUFFIX and all(
-        t.device.type == "cpu" and t.dtype == first.dtype for t in tensors
-    )
+def _fits(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    """A contiguous CPU tensor of `dtype`. These checks run ~100 times a step, hence plain."""
+    return t.dtype == dtype and t.is_cpu and t.is_contiguous()
 
 
 class CpuOps:
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self.fns = {}
+        # (op name) -> {dtype: C function}
+        self.fns: dict[str, dict[torch.dtype, ctypes._CFuncPtr]] = {}
         for name, argtypes in _SIGNATURES.items():
-            for suffix in _SUFFIX.values():
+            self.fns[name] = {}
+            for dtype, suffix in _SUFFIX.items():
                 fn = getattr(lib, f"{name}_{suffix}")
                 fn.argtypes, fn.restype = argtypes, None
-                self.fns[name, suffix] = fn
+                self.fns[name][dtype] = fn
+        self._norm, self._rotary, self._silu = (
+            self.fns[n] for n in ("add_rms_norm", "rotary", "silu_and_mul")
+        )
 
     @classmethod
     def load(cls) -> CpuOps | None:
         lib = load_library(SOURCE)
         return None if lib is None else cls(lib)
 
-    def _fn(self, name: str, dtype: torch.dtype):
-        return self.fns[name, _SUFFIX[dtype]]
-
     def add_rms_norm(
         self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(RMSNorm(x + delta) * weight, x + delta) for x [T, H]; x is updated in place."""
-        inputs = (x, weight) if delta is None else (x, weight, delta)
-        if x.dim() != 2 or not _takes(*inputs) or not all(t.is_contiguous() for t in inputs):
+        fn = self._norm.get(x.dtype)
+        if fn is None or x.dim() != 2 or not (_fits(x, x.dtype) and _fits(weight, x.dtype)):
+            return None
+        if delta is not None and not _fits(delta, x.dtype):
             return None
         out = torch.empty_like(x)
-        self._fn("add_rms_norm", x.dtype)(
-            x.data_ptr(),
-            None if delta is None else delta.data_ptr(),
-            weight.data_ptr(),
-            out.data_ptr(),
-            x.shape[0],
-            x.shape[1],
-            eps,
-        )
+        T, H = x.shape
+        fn(x.data_ptr(), delta.data_ptr() if delta is not None else None, weight.data_ptr(),
+           out.data_ptr(), T, H, eps)  # fmt: skip
         return out, x
 
     def rotary_(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> bool:
         """Rotates x [T, H, D] in place (rows may be strided, heads side by side); cos and
         signed_sin [T, 1, D] from `RotaryEmbedding.lookup`. False when it did nothing."""
+        fn = self._rotary.get(x.dtype)
         T, H, D = x.shape
-        tables_ok = all(t.is_contiguous() and t.numel() == T * D for t in (cos, signed_sin))
-        if not (_takes(x, cos, signed_sin) and tables_ok and x.stride(2) == 1 and x.stride(1) == D):
+        if fn is None or not x.is_cpu or x.stride(2) != 1 or x.stride(1) != D:
             return False
-        self._fn("rotary", x.dtype)(
-            x.data_ptr(), x.stride(0), T, H, D, cos.data_ptr(), signed_sin.data_ptr()
-        )
+        if not (_fits(cos, x.dtype) and _fits(signed_sin, x.dtype) and cos.numel() == T * D):
+            return False
+        fn(x.data_ptr(), x.stride(0), T, H, D, cos.data_ptr(), signed_sin.data_ptr())
         return True
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up for gate_up [T, 2I] holding gate and up side by side."""
-        if gate_up.dim() != 2 or not _takes(gate_up) or not gate_up.is_contiguous():
+        fn = self._silu.get(gate_up.dtype)
+        if fn is None or gate_up.dim() != 2 or not _fits(gate_up, gate_up.dtype):
             return None
         T, two_i = gate_up.shape
         out = gate_up.new_empty((T, two_i // 2))
-        self._fn("silu_and_mul", gate_up.dtype)(gate_up.data_ptr(), out.data_ptr(), T, two_i // 2)
+        fn(gate_up.data_ptr(), out.data_ptr(), T, two_i // 2)
         return out

@@ -66,13 +66,17 @@ class PagedDecodeKernel:
     ) -> torch.Tensor:
         if slots is None:  # stored already: the new rows are not read
             k = v = q.new_empty((0, 0, 0))
-        q, k, v = (_rows_of_heads(t) for t in (q, k, v))
-        indices = (block_tables, context_lens) + (() if slots is None else (slots,))
-        if any(t.dtype != self.dtype for t in (q, k, v, k_cache, v_cache)):
-            raise ValueError(f"this kernel is for {self.dtype} tensors")
-        if any(t.dtype != torch.int64 for t in indices):
+        q, k, v = _rows_of_heads(q), _rows_of_heads(k), _rows_of_heads(v)
+        dtype = self.dtype
+        if not (q.dtype == k.dtype == v.dtype == k_cache.dtype == v_cache.dtype == dtype):
+            raise ValueError(f"this kernel is for {dtype} tensors")
+        if not (block_tables.dtype == context_lens.dtype == torch.int64) or not (
+            slots is None or slots.dtype == torch.int64
+        ):
             raise ValueError("block tables, context lengths and slots must be int64")
-        if not all(t.is_contiguous() for t in (k_cache, v_cache, *indices)):
+        contiguous = k_cache.is_contiguous() and v_cache.is_contiguous()
+        contiguous &= block_tables.is_contiguous() and context_lens.is_contiguous()
+        if not contiguous or not (slots is None or slots.is_contiguous()):
             raise ValueError("caches, block tables, context lengths and slots must be contiguous")
         batch, num_heads, _ = q.shape
         out = torch.empty((batch, num_heads, self.head_dim), dtype=self.dtype)
