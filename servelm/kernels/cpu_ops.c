@@ -75,7 +75,7 @@ INLINE float exp_approx(float x)
                                int64_t T, int64_t H, float eps)                                \
     {                                                                                          \
         enum { BF16 = IS_BF16 };                                                               \
-        _Pragma("omp parallel for if (T * H >= 65536)")                                        \
+        _Pragma("omp parallel for if (T * H >= 16384)")                                        \
         for (int64_t t = 0; t < T; t++) {                                                      \
             const int64_t row = t * H;                                                         \
             if (delta)                                                                         \
@@ -96,7 +96,7 @@ INLINE float exp_approx(float x)
     {                                                                                          \
         enum { BF16 = IS_BF16 };                                                               \
         const int64_t half = D / 2;                                                            \
-        _Pragma("omp parallel for if (T * H * D >= 65536)")                                    \
+        _Pragma("omp parallel for if (T * H * D >= 16384)")                                    \
         for (int64_t t = 0; t < T; t++)                                                        \
             for (int64_t h = 0; h < H; h++) {                                                  \
                 const int64_t at = t * row_stride + h * D;                                     \
@@ -113,7 +113,7 @@ INLINE float exp_approx(float x)
     void silu_and_mul_##SUFFIX(const void *gate_up, void *out, int64_t T, int64_t I)           \
     {                                                                                          \
         enum { BF16 = IS_BF16 };                                                               \
-        _Pragma("omp parallel for if (T * I >= 65536)")                                        \
+        _Pragma("omp parallel for if (T * I >= 16384)")                                        \
         for (int64_t t = 0; t < T; t++)                                                        \
             for (int64_t i = 0; i < I; i++) {                                                  \
                 const float g = LOAD(gate_up, t * 2 * I + i);                                  \
