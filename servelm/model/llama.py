@@ -3,9 +3,9 @@
 Projections are fused at load time: q/k/v into `qkv_proj` and gate/up into `gate_up_proj`, so
 a layer runs two matmuls where the checkpoint has five. Each norm first adds the previous
 sublayer's output to the residual stream; with `use_cpu_ops` the norms, the rotary embedding
-and SiLU-and-multiply run as fused C ops on CPU tensors (same roundings as the torch ops). Attention over the paged KV cache is
-delegated to the `attn` object passed to `forward` (the worker's attention backend); the model
-knows nothing about blocks, batches or devices.
+and SiLU-and-multiply run as fused C ops on CPU tensors (same roundings as the torch ops).
+Attention over the paged KV cache is delegated to the `attn` object passed to `forward` (the
+worker's attention backend); the model knows nothing about blocks, batches or devices.
 
 Tokens of every request in a step are flattened into one [T] sequence (no padding):
 
