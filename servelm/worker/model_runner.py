@@ -98,8 +98,8 @@ class ModelRunner:
         )
         self.weight_bytes = self.model.weight_bytes
         self.int4_layers = self.model.int4_layers
-        self.model.use_cpu_ops(CpuOps.load() if self.use_c_kernels else None)
         self.load_seconds = time.perf_counter() - t0
+        self.model.use_cpu_ops(CpuOps.load() if self.use_c_kernels else None)
         self.attn: TorchPagedAttention | None = None
         self.generators: dict[str, torch.Generator] = {}
 
