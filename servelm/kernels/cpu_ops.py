@@ -61,7 +61,9 @@ class CpuOps:
         fn = self._norm.get(x.dtype)
         if fn is None or x.dim() != 2 or not (_fits(x, x.dtype) and _fits(weight, x.dtype)):
             return None
-        if delta is not None and not _fits(delta, x.dtype):
+        if weight.shape != x.shape[1:] or (
+            delta is not None and (delta.shape != x.shape or not _fits(delta, x.dtype))
+        ):
             return None
         out = torch.empty_like(x)
         T, H = x.shape
@@ -76,7 +78,9 @@ class CpuOps:
         T, H, D = x.shape
         if fn is None or not x.is_cpu or x.stride(2) != 1 or x.stride(1) != D:
             return False
-        if not (_fits(cos, x.dtype) and _fits(signed_sin, x.dtype) and cos.numel() == T * D):
+        if not (_fits(cos, x.dtype) and _fits(signed_sin, x.dtype)):
+            return False
+        if cos.numel() != T * D or signed_sin.numel() != T * D:
             return False
         fn(x.data_ptr(), x.stride(0), T, H, D, cos.data_ptr(), signed_sin.data_ptr())
         return True

@@ -74,11 +74,23 @@ class PagedDecodeKernel:
             slots is None or slots.dtype == torch.int64
         ):
             raise ValueError("block tables, context lengths and slots must be int64")
+        (batch, num_heads, d), heads = q.shape, k_cache.shape[1:]  # heads: (Hkv, D)
+        rows = [block_tables.shape[0], context_lens.shape[0]]
+        new_kv_ok = slots is None or (k.shape[1:] == v.shape[1:] == heads)
+        rows += [] if slots is None else [slots.shape[0], k.shape[0], v.shape[0]]
+        if (
+            min(rows) < batch
+            or d != self.head_dim
+            or k_cache.shape != v_cache.shape
+            or heads[1] != d
+            or num_heads % heads[0]
+            or not new_kv_ok
+        ):
+            raise ValueError("q, k/v, caches, slots, block tables or lengths: shapes disagree")
         contiguous = k_cache.is_contiguous() and v_cache.is_contiguous()
         contiguous &= block_tables.is_contiguous() and context_lens.is_contiguous()
         if not contiguous or not (slots is None or slots.is_contiguous()):
             raise ValueError("caches, block tables, context lengths and slots must be contiguous")
-        batch, num_heads, _ = q.shape
         out = torch.empty((batch, num_heads, self.head_dim), dtype=self.dtype)
         self.fn(
             q.data_ptr(),

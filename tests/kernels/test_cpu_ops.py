@@ -88,3 +88,11 @@ def test_other_dtypes_and_layouts_are_declined(ops):
     assert ops.silu_and_mul(torch.zeros(4, 64).t()) is None  # not contiguous
     cos = torch.zeros(4, 1, 64)
     assert not ops.rotary_(torch.zeros(4, 2, 64, dtype=torch.float16), cos, cos)
+
+
+def test_shapes_that_disagree_are_declined(ops):
+    x = torch.zeros(4, 64)
+    assert ops.add_rms_norm(x, None, torch.ones(32), 1e-5) is None  # weight of another size
+    assert ops.add_rms_norm(x, torch.zeros(2, 64), torch.ones(64), 1e-5) is None
+    cos = torch.zeros(4, 1, 64)
+    assert not ops.rotary_(torch.zeros(4, 2, 64), cos, cos[:2])

@@ -110,3 +110,23 @@ def test_a_source_that_does_not_compile_falls_back_with_a_warning(tmp_path, capl
         assert load_library(bad) is None
     assert "building broken.c failed; using torch" in caplog.text
     assert "error" in caplog.text  # the compiler's own message is passed on
+
+
+@needs_compiler
+def test_shapes_that_disagree_are_refused_before_any_memory_is_touched():
+    kernel = PagedDecodeKernel.load(torch.float32, 64)
+    cache = torch.zeros(4 * BLOCK, 3, 64)
+    q, kv = torch.zeros(2, 9, 64), torch.zeros(2, 3, 64)
+    tables, lens = torch.zeros(2, 4, dtype=torch.long), torch.ones(2, dtype=torch.long)
+    slots = torch.zeros(2, dtype=torch.long)
+    args = (cache, cache, slots, tables, BLOCK, lens, 1, 0.125)
+    assert kernel(q, kv, kv, *args).shape == (2, 9, 64)
+    for bad in (
+        (q, kv, kv, cache, cache, slots, tables[:1], BLOCK, lens, 1, 0.125),  # a row short
+        (q, kv, kv, cache, cache, slots[:1], tables, BLOCK, lens, 1, 0.125),
+        (q[..., :32], kv, kv, *args),  # another head size
+        (q, kv[:, :2], kv, *args),  # another number of KV heads
+        (q[:, :8], kv, kv, *args),  # 8 query heads do not share 3 KV heads evenly
+    ):
+        with pytest.raises(ValueError, match="shapes disagree"):
+            kernel(*bad)
