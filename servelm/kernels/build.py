@@ -43,6 +43,15 @@ def compiler() -> list[str] | None:
     return None
 
 
+@cache
+def _compiler_with_version() -> tuple[list[str], str] | None:
+    """The compiler and what `--version` says, asked once per process for every library."""
+    cc = compiler()
+    if cc is None:
+        return None
+    return cc, subprocess.run([*cc, "--version"], capture_output=True, text=True).stdout
+
+
 def _cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -57,15 +66,15 @@ def _cpu_flags() -> str:
 def load_library(source: Path) -> ctypes.CDLL | None:
     """The compiled library for `source`, built if it is not cached yet; None (with a warning)
     when there is no C compiler or the build fails."""
-    cc = compiler()
-    if cc is None:
+    found = _compiler_with_version()
+    if found is None:
         logger.warning("no C compiler found ($CC, cc): %s is not built; using torch", source.name)
         return None
-    version = subprocess.run([*cc, "--version"], capture_output=True, text=True).stdout
+    cc, version = found
+    # The source and the headers it may include from its folder (common.h) make one key.
+    texts = [source.read_text()] + [h.read_text() for h in sorted(source.parent.glob("*.h"))]
     key = hashlib.sha256(
-        "\0".join(
-            [source.read_text(), " ".join(cc), version, " ".join(CFLAGS), _cpu_flags()]
-        ).encode()
+        "\0".join([*texts, " ".join(cc), version, " ".join(CFLAGS), _cpu_flags()]).encode()
     ).hexdigest()[:16]
     target = cache_dir() / f"{source.stem}-{key}.so"
     if not target.exists():

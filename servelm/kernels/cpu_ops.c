@@ -14,28 +14,8 @@
  */
 
 #include <math.h>
-#include <stdint.h>
-#include <string.h>
 
-#define INLINE static inline __attribute__((always_inline))
-
-INLINE float bf16_to_float(uint16_t x)
-{
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-INLINE uint16_t float_to_bf16(float f) /* round to nearest even, as torch does */
-{
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
+#include "common.h"
 
 INLINE float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
 
@@ -48,26 +28,6 @@ INLINE float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
             ((float *)(p))[i] = (v);                                                           \
     } while (0)
 #define ROUND(v) (BF16 ? round_bf16(v) : (v))
-
-/* e^x over float32's range, vectorizable: x = n ln2 + r, |r| <= ln2 / 2, e^r to r^7. */
-INLINE float exp_approx(float x)
-{
-    x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
-    const float n = __builtin_rintf(x * 1.44269504f);
-    const float r = x - n * 0.693145752f - n * 1.42860677e-06f;
-    float p = 1.f / 5040;
-    p = p * r + 1.f / 720;
-    p = p * r + 1.f / 120;
-    p = p * r + 1.f / 24;
-    p = p * r + 1.f / 6;
-    p = p * r + 0.5f;
-    p = p * r + 1.f;
-    p = p * r + 1.f;
-    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
-    float two_n;
-    memcpy(&two_n, &bits, sizeof two_n);
-    return p * two_n;
-}
 
 /* Rows run in parallel once there are enough of them to pay for the threads. */
 #define DEFINE_OPS(SUFFIX, IS_BF16)                                                               \

@@ -20,29 +20,9 @@
  */
 
 #include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
-#define INLINE static inline __attribute__((always_inline))
-
-INLINE float bf16_to_float(uint16_t x)
-{
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-INLINE uint16_t float_to_bf16(float f) /* round to nearest even, as torch does */
-{
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
+#include "common.h"
 
 /* One row of D elements (bfloat16 or float32) as float32. */
 INLINE void load_row(const void *src, int bf16, int64_t i, float *dst, int D)
@@ -78,28 +58,6 @@ INLINE void prefetch_next_block(const void *cache, int bf16, const int64_t *tabl
     for (int64_t i = 0; i < block_size && next + i < len; i++)
         for (int64_t byte = 0; byte < D * size; byte += 64)
             __builtin_prefetch(p + i * row * size + byte);
-}
-
-/* e^x for x <= 0 (a score minus the maximum), in a form the compiler vectorizes: x = n ln2 + r
- * with |r| <= ln2 / 2; e^r from its Taylor series to r^7 (relative error below 1e-7); 2^n built
- * as a float's exponent. Below -87 the result is e^-87, which a sum of at least 1 absorbs. */
-INLINE float exp_nonpositive(float x)
-{
-    x = x < -87.f ? -87.f : x;
-    const float n = __builtin_rintf(x * 1.44269504f);
-    const float r = x - n * 0.693145752f - n * 1.42860677e-06f;
-    float p = 1.f / 5040;
-    p = p * r + 1.f / 720;
-    p = p * r + 1.f / 120;
-    p = p * r + 1.f / 24;
-    p = p * r + 1.f / 6;
-    p = p * r + 0.5f;
-    p = p * r + 1.f;
-    p = p * r + 1.f;
-    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
-    float two_n;
-    memcpy(&two_n, &bits, sizeof two_n);
-    return p * two_n;
 }
 
 /* One (sequence, KV head): its G query heads over the sequence's context. `scores` holds
@@ -154,7 +112,7 @@ INLINE void attend_one_head(const void *q, int64_t q_row, const void *k_cache,
         float *s = scores + g * len, m = peak[g], z = 0.f;
 #pragma omp simd reduction(+ : z)
         for (int64_t t = 0; t < len; t++) {
-            s[t] = exp_nonpositive(s[t] - m);
+            s[t] = exp_approx(s[t] - m);
             z += s[t];
         }
         total[g] = z;

@@ -130,3 +130,17 @@ def test_shapes_that_disagree_are_refused_before_any_memory_is_touched():
     ):
         with pytest.raises(ValueError, match="shapes disagree"):
             kernel(*bad)
+
+
+@needs_compiler
+def test_a_changed_header_is_a_new_build(tmp_path, monkeypatch):
+    # Kernel sources share common.h; a stale library built from an older header must not load.
+    monkeypatch.setattr("servelm.kernels.build.cache_dir", lambda: tmp_path / "cache")
+    source, header = tmp_path / "probe.c", tmp_path / "probe.h"
+    source.write_text('#include "probe.h"\nint probe(void) { return VALUE; }\n')
+    for value in (1, 2):
+        header.write_text(f"#define VALUE {value}\n")
+        load_library.cache_clear()
+        assert load_library(source).probe() == value
+    assert len(list((tmp_path / "cache").glob("probe-*.so"))) == 2
+    load_library.cache_clear()

@@ -1,0 +1,53 @@
+/* What servelm's C kernels share: bfloat16 <-> float32 as torch converts, and a vectorizable e^x.
+ * Included by each kernel source; `build.py` hashes it with them. */
+
+#ifndef SERVELM_KERNELS_COMMON_H
+#define SERVELM_KERNELS_COMMON_H
+
+#include <stdint.h>
+#include <string.h>
+
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE float bf16_to_float(uint16_t x)
+{
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+INLINE uint16_t float_to_bf16(float f) /* round to nearest even, as torch does */
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* e^x over float32's range, in a form the compiler vectorizes: x = n ln2 + r with
+ * |r| <= ln2 / 2; e^r from its Taylor series to r^7 (relative error below 1e-7); 2^n built as a
+ * float's exponent. x is clamped to [-87, 88]: below, e^-87 (which a softmax's sum of at least
+ * 1 absorbs); above, float32 would overflow. */
+INLINE float exp_approx(float x)
+{
+    x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
+    const float n = __builtin_rintf(x * 1.44269504f);
+    const float r = x - n * 0.693145752f - n * 1.42860677e-06f;
+    float p = 1.f / 5040;
+    p = p * r + 1.f / 720;
+    p = p * r + 1.f / 120;
+    p = p * r + 1.f / 24;
+    p = p * r + 1.f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return p * two_n;
+}
+
+#endif
