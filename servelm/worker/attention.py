@@ -58,9 +58,11 @@ def build_metadata(
     block_size: int,
     device: torch.device,
     dtype: torch.dtype = torch.float32,
+    decode_mask: bool = True,
 ) -> AttentionMetadata:
     """seqs: per request (num_computed_tokens, num_new_tokens, block_ids), in batch order;
-    dtype: the model's (attention masks are made in it).
+    dtype: the model's (attention masks are made in it); decode_mask: build the padded decode
+    batch's mask (only SDPA reads it; the C kernel reads the lengths).
 
     Built with numpy on the host (one small array op per request, not one torch op per token),
     then moved to the device once.
@@ -96,14 +98,15 @@ def build_metadata(
             padded[i, : len(blocks)] = blocks
         max_ctx = max_blocks * block_size
         lens = np.asarray(decode_lens, dtype=np.int64)
-        mask = np.arange(max_ctx)[None, :] < lens[:, None]
         # When every token is a decode, rows are 0..n-1 and no gather/scatter is needed.
         meta.decode_rows = None if n == row else torch.tensor(decode_rows, device=device)
         meta.all_decode = n == row
         meta.decode_blocks = torch.from_numpy(padded).to(device)
         meta.decode_lens = torch.from_numpy(lens).to(device)
         meta.decode_max_len = int(lens.max())
-        meta.decode_mask = additive_mask(mask, dtype, device).view(n, 1, 1, max_ctx)
+        if decode_mask:
+            allowed = np.arange(max_ctx)[None, :] < lens[:, None]
+            meta.decode_mask = additive_mask(allowed, dtype, device).view(n, 1, 1, max_ctx)
     return meta
 
 
@@ -123,6 +126,13 @@ class TorchPagedAttention:
         self.block_size = block_size
         self.decode_kernel = decode_kernel
         self.meta: AttentionMetadata | None = None
+
+    def plan(
+        self, seqs: list[tuple[int, int, list[int]]], device: torch.device, dtype: torch.dtype
+    ) -> None:
+        """This step's metadata (see `build_metadata`), shared by every layer."""
+        decode_mask = self.decode_kernel is None
+        self.meta = build_metadata(seqs, self.block_size, device, dtype, decode_mask)
 
     def __call__(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor

@@ -21,7 +21,7 @@ from servelm.kernels.cpu_ops import CpuOps
 from servelm.kernels.paged_decode import PagedDecodeKernel
 from servelm.model.config import ModelSpec
 from servelm.model.loader import build_model
-from servelm.worker.attention import TorchPagedAttention, build_metadata
+from servelm.worker.attention import TorchPagedAttention
 from servelm.worker.sampler import SamplingBatch, sample
 
 logger = logging.getLogger(__name__)
@@ -168,9 +168,7 @@ class ModelRunner:
         ]
         attn = TorchPagedAttention(scratch, self.spec.head_dim**-0.5, self.block_size)
         blocks = list(range(-(-num_tokens // self.block_size)))
-        attn.meta = build_metadata(
-            [(0, num_tokens, blocks)], self.block_size, self.device, self.dtype
-        )
+        attn.plan([(0, num_tokens, blocks)], self.device, self.dtype)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         pos = torch.arange(num_tokens, device=self.device)
         with torch.inference_mode():
@@ -202,7 +200,7 @@ class ModelRunner:
                 sampled.append(r)
 
         device = self.device
-        self.attn.meta = build_metadata(seqs, self.block_size, device, self.dtype)
+        self.attn.plan(seqs, device, self.dtype)
         input_ids = torch.tensor(ids, dtype=torch.long, device=device)
         pos = torch.tensor(positions, dtype=torch.long, device=device)
         with torch.inference_mode():
