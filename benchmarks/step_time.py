@@ -62,17 +62,17 @@ def main() -> None:
     ap.add_argument("--kernels", default="auto", help="one or several, comma-separated: auto,torch")
     args = ap.parse_args()
     settings = [(q, a) for q in args.quantization.split(",") for a in args.kernels.split(",")]
-    for quantization, backend in settings:
+    for quantization, kernels in settings:
         llm = LLM(
             args.model,
             dtype=args.dtype,
             quantization=quantization,
-            kernels=backend,
+            kernels=kernels,
             num_threads=args.num_threads,
             enable_prefix_caching=False,
         )
         runner = llm.engine.executor
-        label = f"[{quantization}: {runner.int4_layers} int4 projections; {backend} kernels]"
+        label = f"[{quantization}: {runner.int4_layers} int4 projections; {kernels} kernels]"
         for b in (int(x) for x in args.batch.split(",")):
             ms = decode_ms(llm, b, args.context, args.steps)
             print(f"{label} decode batch {b:3d} context {args.context}: {ms:7.2f} ms/step")
