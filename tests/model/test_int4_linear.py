@@ -91,9 +91,15 @@ def test_only_bf16_on_cpu_with_whole_groups_and_rows_in_sixteens():
 
 def test_auto_leaves_ordinary_weights_alone_and_int4_quantizes_them(tiny_model_dir):
     # The tiny model's weights are random floats: 4-bit would round them.
-    auto = LLM(str(tiny_model_dir), dtype="bfloat16", kv_cache_memory="4MiB")
+    auto = LLM(str(tiny_model_dir), dtype="bfloat16", kv_cache_memory="4MiB", device="cpu")
     assert auto.engine.executor.int4_layers == 0
-    forced = LLM(str(tiny_model_dir), dtype="bfloat16", quantization="int4", kv_cache_memory="4MiB")
+    forced = LLM(
+        str(tiny_model_dir),
+        dtype="bfloat16",
+        quantization="int4",
+        kv_cache_memory="4MiB",
+        device="cpu",
+    )
     layers = [m for m in forced.engine.executor.model.modules() if isinstance(m, Linear)]
     assert forced.engine.executor.int4_layers == len(layers) > 0
     assert all(m.int4 is not None and m.weight.dtype == torch.bfloat16 for m in layers)
@@ -127,7 +133,7 @@ def test_the_start_up_line_the_benchmarks_read(tiny_model_dir, caplog, quantizat
 
     with caplog.at_level("INFO", logger="servelm"):
         llm = LLM(str(tiny_model_dir), dtype="bfloat16", quantization=quantization,
-                  kv_cache_memory="4MiB")  # fmt: skip
+                  kv_cache_memory="4MiB", device="cpu")  # fmt: skip
     found = WEIGHTS_LINE.search(caplog.text)
     assert found is not None, caplog.text
     assert (found["dtype"], found["device"]) == ("bfloat16", "cpu")

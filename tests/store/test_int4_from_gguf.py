@@ -24,7 +24,7 @@ FUSED = {
 def test_q4_1_projections_are_served_from_exact_int4_copies(make_tiny_gguf, tmp_path, tiny):
     src, expected = make_tiny_gguf(all_q4_1=True)
     folder = import_gguf(src, tmp_path / "model")
-    llm = LLM(str(folder), dtype="bfloat16", kv_cache_memory="4MiB")
+    llm = LLM(str(folder), dtype="bfloat16", kv_cache_memory="4MiB", device="cpu")
     assert llm.engine.executor.int4_layers == 4 * tiny.layers
     model = llm.engine.executor.model
     for i in range(tiny.layers):
@@ -48,5 +48,5 @@ def test_q4_1_projections_are_served_from_exact_int4_copies(make_tiny_gguf, tmp_
 def test_other_projection_types_keep_bf16_weights(make_tiny_gguf, tmp_path):
     src, _ = make_tiny_gguf()  # down_proj Q8_0, q/v/o float32: not 4-bit
     folder = import_gguf(src, tmp_path / "model")
-    llm = LLM(str(folder), dtype="bfloat16", kv_cache_memory="4MiB")
+    llm = LLM(str(folder), dtype="bfloat16", kv_cache_memory="4MiB", device="cpu")
     assert llm.engine.executor.int4_layers == 0
