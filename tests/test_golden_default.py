@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from servelm import LLM, SamplingParams
+from servelm.kernels.build import compiler
 from tests.golden import TOP, assert_close_greedy, hf_greedy, our_tops
 
 pytestmark = pytest.mark.slow
@@ -170,6 +171,9 @@ def test_bfloat16_serving_weights_match(default_model_dir, reference, prompts, q
     )
     int4 = quantization == "auto" and llm.engine.executor.device.type == "cpu"
     assert llm.engine.executor.int4_layers == (120 if int4 else 0)
+    # with the C kernels, the file's Q8_0 head is served from its int8 values
+    q8_head = int4 and compiler() is not None
+    assert (llm.engine.executor.model.head_q8 is not None) == q8_head
     check(llm, reference, prompts)  # the golden rule, free-running
     forced, want = [], []
     for prompt in prompts:

@@ -63,9 +63,10 @@ def _cpu_flags() -> str:
 
 
 @cache
-def load_library(source: Path) -> ctypes.CDLL | None:
+def load_library(source: Path, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """The compiled library for `source`, built if it is not cached yet; None (with a warning)
-    when there is no C compiler or the build fails."""
+    when there is no C compiler or the build fails. `extra_flags` follow the usual ones (tests
+    use them to build a kernel's portable C path on a CPU that would take its vector one)."""
     found = _compiler_with_version()
     if found is None:
         logger.warning("no C compiler found ($CC, cc): %s is not built; using torch", source.name)
@@ -74,7 +75,9 @@ def load_library(source: Path) -> ctypes.CDLL | None:
     # The source and the headers it may include from its folder (common.h) make one key.
     texts = [source.read_text()] + [h.read_text() for h in sorted(source.parent.glob("*.h"))]
     key = hashlib.sha256(
-        "\0".join([*texts, " ".join(cc), version, " ".join(CFLAGS), _cpu_flags()]).encode()
+        "\0".join(
+            [*texts, " ".join(cc), version, " ".join([*CFLAGS, *extra_flags]), _cpu_flags()]
+        ).encode()
     ).hexdigest()[:16]
     target = cache_dir() / f"{source.stem}-{key}.so"
     if not target.exists():
@@ -83,7 +86,7 @@ def load_library(source: Path) -> ctypes.CDLL | None:
         os.close(fd)
         try:
             subprocess.run(
-                [*cc, *CFLAGS, "-o", tmp, str(source), "-lm"],
+                [*cc, *CFLAGS, *extra_flags, "-o", tmp, str(source), "-lm"],
                 check=True,
                 capture_output=True,
                 text=True,

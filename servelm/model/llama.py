@@ -23,7 +23,7 @@ from torch import nn
 from servelm.kernels.cpu_ops import CpuOps
 from servelm.model.config import ModelSpec
 from servelm.model.layers.embedding import Embedding
-from servelm.model.layers.linear import Linear, LogitsHead, pack_linears_for_cpu
+from servelm.model.layers.linear import Linear, LogitsHead, Q8Weight, pack_linears_for_cpu
 from servelm.model.layers.norm import RMSNorm
 from servelm.model.layers.rotary import RotaryEmbedding, apply_rotary
 from servelm.model.loader import PackedShards
@@ -109,6 +109,7 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     cpu_ops: CpuOps | None = None
+    head_q8: Q8Weight | None = None  # an exact Q8_0 copy of the head, set by the loader
     # checkpoint name fragment -> (our fused parameter fragment, shard)
     packed_modules = {
         "q_proj": ("qkv_proj", "q"),
@@ -159,10 +160,13 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, (RMSNorm, LlamaAttention, LlamaMLP)):
                 module.cpu_ops = ops
 
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def prepare_for_inference(self) -> None:
         """Once the weights are loaded: repack matmul weights where the device gains from it."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.logits_head = LogitsHead(weight)
+        self.logits_head = LogitsHead(self.head_weight, self.head_q8)
         if self.lm_head is not None:
             self.lm_head = None  # the head above holds the weight (packed or not)
         pack_linears_for_cpu(self)

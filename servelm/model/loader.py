@@ -16,10 +16,12 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from servelm.model.layers.embedding import Embedding
 from servelm.model.layers.linear import (
     INT4_LOSSLESS_STEPS,
     Int4Weight,
     Linear,
+    Q8Weight,
     can_int4,
     quantize_linears_int4,
 )
@@ -125,9 +127,10 @@ def _allocate_parameters(
 ) -> None:
     """Give every meta parameter uninitialised memory (what `to_empty` does, minus the cost of
     routing each allocation through torch's meta-tensor reference implementations);
-    `Linear` parameters get `linear_dtype`."""
+    matmul weights (`Linear`, and the embedding, which may be the logits head) get
+    `linear_dtype`."""
     for module in model.modules():
-        kind = linear_dtype if isinstance(module, Linear) else dtype
+        kind = linear_dtype if isinstance(module, (Linear, Embedding)) else dtype
         for name, param in module._parameters.items():
             if param is not None and param.is_meta:
                 empty = torch.empty(param.shape, dtype=kind, device=device)
@@ -166,13 +169,15 @@ def build_model(
     device: torch.device,
     max_positions: int,
     quantization: str = "none",
+    int4_kernel=None,
 ):
     """Construct the model without initialising weights, then fill it from the checkpoint.
 
     `quantization`: "none"; "int4", every projection the CPU int4 kernel takes also gets a
     4-bit copy (rounded to the nearest: lossy unless the weights are 4-bit already); "auto",
     int4 only where that loses nothing, i.e. the checkpoint's projection weights are 4-bit.
-    The model's `int4_layers` says how many projections got one.
+    The model's `int4_layers` says how many projections got one; `int4_kernel` (servelm's C
+    `QuantMatmul`, or None for torch's kernel) is the code that multiplies by them.
     """
     from servelm.model.layers.rotary import RotaryEmbedding
     from servelm.model.llama import LlamaForCausalLM
@@ -192,19 +197,24 @@ def build_model(
     # dtype there, then allocated once on the device and filled from the checkpoint.
     with torch.device("meta"):
         model = LlamaForCausalLM(spec, max_positions, rope)
-    # The int4 copies are made from the checkpoint's own values, so projections load in
-    # float32 first and take the model's dtype afterwards.
+    # The int4 and int8 copies are made from the checkpoint's own values, so matmul weights
+    # load in float32 first and take the model's dtype afterwards.
     _allocate_parameters(model, dtype, device, torch.float32 if int4 else dtype)
     model.rope = rope.to(device)
     load_weights(model, model_dir)
     model.int4_layers = 0
     if int4:
         lossless_only = quantization == "auto"
-        model.int4_layers = quantize_linears_int4(model, dtype, lossless_only)
+        model.int4_layers = quantize_linears_int4(model, dtype, lossless_only, int4_kernel)
+        if int4_kernel is not None and model.int4_layers:
+            # A Q4_1 GGUF's head is Q8_0 (llama.cpp's convention): served from those values.
+            model.head_q8 = Q8Weight.exact(model.head_weight, int4_kernel)
         model.to(dtype)
     # Counted before repacking, which frees the plain copies of packed weights.
+    quantized = [m.int4 for m in model.modules() if isinstance(m, Linear) and m.int4 is not None]
+    quantized += [model.head_q8] if model.head_q8 is not None else []
     model.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
-        m.int4.nbytes for m in model.modules() if isinstance(m, Linear) and m.int4 is not None
+        w.nbytes for w in quantized
     )
     model.prepare_for_inference()
     if device.type == "cpu":

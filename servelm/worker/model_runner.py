@@ -19,6 +19,7 @@ import torch
 from servelm.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from servelm.kernels.cpu_ops import CpuOps
 from servelm.kernels.paged_decode import PagedDecodeKernel
+from servelm.kernels.quant_matmul import QuantMatmul
 from servelm.model.config import ModelSpec
 from servelm.model.loader import build_model
 from servelm.worker.attention import TorchPagedAttention
@@ -93,8 +94,9 @@ class ModelRunner:
             # cores with the API process does not stall it (core_process.bound_openmp_spin).
             torch.set_num_threads(num_threads or os.cpu_count() or 1)
         t0 = time.perf_counter()
+        self.int4_kernel = QuantMatmul.load() if self.use_c_kernels else None
         self.model = build_model(
-            model_dir, spec, self.dtype, self.device, max_model_len, quantization
+            model_dir, spec, self.dtype, self.device, max_model_len, quantization, self.int4_kernel
         )
         self.weight_bytes = self.model.weight_bytes
         self.int4_layers = self.model.int4_layers
@@ -148,7 +150,13 @@ class ModelRunner:
         kernel = self.attn.decode_kernel if self.attn else None
         attention = f"C {kernel.name}" if kernel else "torch SDPA over gathered blocks"
         layers = "C cpu_ops" if self.model.cpu_ops else "torch ops"
-        return f"decode attention: {attention}; norm, rotary, SiLU: {layers}"
+        summary = f"decode attention: {attention}; norm, rotary, SiLU: {layers}"
+        if self.int4_layers:
+            int4 = "C q4_matmul" if self.int4_kernel else "torch _weight_int4pack_mm"
+            summary += f"; int4 projections: {int4}"
+        if self.model.head_q8 is not None:
+            summary += "; logits head: C q8_matmul (Q8_0)"
+        return summary
 
     def _dummy_forward(self, num_tokens: int) -> None:
         """A forward without a KV cache of its own: writes into a throwaway single block."""

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from servelm.kernels.quant_matmul import QuantMatmul
+
 
 def can_pack(weight: torch.Tensor) -> bool:
     return (
@@ -62,34 +64,81 @@ def can_int4(weight: torch.Tensor, dtype: torch.dtype) -> bool:
 
 class Int4Weight:
     """A weight matrix as 4-bit integers q in groups of `INT4_GROUP` along each row, each group
-    with a scale and an offset: w = (q - 8) * scale + zero, the form torch's CPU kernel reads.
+    with a scale and a low: w = q * scale + low, a GGUF Q4_1 block's form.
 
     Made from the float32 weight by rounding to each group's grid from its minimum to its
-    maximum in 15 steps, the grid of a GGUF Q4_1 block (w = q * d + m): weights that came
-    from one are recovered exactly, and `error` (in grid steps) says whether that happened.
+    maximum in 15 steps: weights that came from a Q4_1 file are recovered exactly, and `error`
+    (in grid steps) says whether that happened. With servelm's C kernel (`kernel`) the weight is
+    kept in its layout, scales and lows in float16 as the file has them; otherwise in the layout
+    of torch's int4 kernel, whose scales are in the activations' dtype.
     """
 
-    def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
+    def __init__(
+        self, weight: torch.Tensor, dtype: torch.dtype, kernel: QuantMatmul | None = None
+    ) -> None:
         rows, cols = weight.shape
         groups = weight.detach().float().view(rows, cols // INT4_GROUP, INT4_GROUP)
         low = groups.amin(-1, keepdim=True)
         step = (groups.amax(-1, keepdim=True) - low) / 15
+        if kernel is not None:  # the kernel reads the grid in float16
+            low16, step16 = low.half().float(), step.half().float()
+            if low16.isfinite().all() and step16.isfinite().all():
+                low, step = low16, step16
+            else:  # beyond float16's range: torch's kernel takes the scales as they are
+                kernel = None
         step_or_one = torch.where(step == 0, 1.0, step)  # a constant group: every q is 0
         exact = (groups - low).div_(step_or_one)  # each weight in steps above its group's low
         q = exact.round()
         self.error = exact.sub_(q).abs_().max().item()
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            q.clamp_(0, 15).to(torch.int32).view(rows, cols), 1
-        )
-        # [groups, rows, (scale, zero)]
+        q = q.clamp_(0, 15).view(rows, cols)
+        self.rows, self.kernel = rows, kernel
+        if kernel is not None:
+            self.packed = kernel.pack_q4(q, step.view(rows, -1), low.view(rows, -1))
+            self.nbytes = self.packed.nbytes
+            return
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        # torch's form: w = (q - 8) * scale + zero, as [groups, rows, (scale, zero)]
         scale_zero = torch.cat([step, low + 8 * step], dim=-1)
         self.scales_zeros = scale_zero.transpose(0, 1).contiguous().to(dtype)
         self.nbytes = self.packed.nbytes + self.scales_zeros.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel.q4(x, self.packed, self.rows)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.contiguous(), self.packed, INT4_GROUP, self.scales_zeros
         )
+
+
+class Q8Weight:
+    """A weight on GGUF Q8_0's grid: int8 in groups of 32 along each row, a float16 scale per
+    group (w = q * scale), the default model's logits head. Kept as such only for servelm's C
+    kernel, and only when the weight lies on that grid exactly."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, kernel: QuantMatmul) -> None:
+        self.rows, self.kernel = q.shape[0], kernel
+        self.packed = kernel.pack_q8(q, scale)
+        self.nbytes = self.packed.nbytes
+
+    @classmethod
+    def exact(cls, weight: torch.Tensor, kernel: QuantMatmul) -> Q8Weight | None:
+        """The weight's Q8_0 form, made from its float32 values; None unless that loses nothing.
+        A Q8_0 group's scale is its largest |w| / 127 (the quantizer puts that weight at 127)."""
+        rows, cols = weight.shape
+        if not kernel.takes(rows, cols):
+            return None
+        groups = weight.detach().float().view(rows, cols // INT4_GROUP, INT4_GROUP)
+        scale = (groups.abs().amax(-1, keepdim=True) / 127).half().float()
+        if not scale.isfinite().all():
+            return None
+        exact = groups / torch.where(scale == 0, 1.0, scale)
+        q = exact.round()
+        if (exact - q).abs().max().item() > INT4_LOSSLESS_STEPS:
+            return None
+        return cls(q.view(rows, cols), scale.view(rows, -1), kernel)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel.q8(x, self.packed, self.rows)
 
 
 class Linear(nn.Linear):
@@ -118,14 +167,18 @@ class Linear(nn.Linear):
 
 
 class LogitsHead:
-    """The output projection, which may share its weight with the token embedding."""
+    """The output projection, which may share its weight with the token embedding; with an
+    exact Q8_0 copy (`q8`), decode-sized inputs read that, a little over half the bytes."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, q8: Q8Weight | None = None) -> None:
         # Only the form that is used is kept (a tied embedding keeps its own reference).
         self.packed = _pack(weight) if can_pack(weight) else None
         self.weight = weight if self.packed is None else None
+        self.q8 = q8
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.q8 is not None and hidden.shape[0] <= INT4_MAX_ROWS:
+            return self.q8(hidden)
         if self.packed is not None:
             return packed_linear(hidden, self.packed)
         return F.linear(hidden, self.weight)
@@ -138,14 +191,17 @@ def pack_linears_for_cpu(model: nn.Module) -> None:
             module.pack_for_cpu()
 
 
-def quantize_linears_int4(model: nn.Module, dtype: torch.dtype, lossless_only: bool) -> int:
+def quantize_linears_int4(
+    model: nn.Module, dtype: torch.dtype, lossless_only: bool, kernel: QuantMatmul | None = None
+) -> int:
     """Give every `Linear` of `model` whose weight the kernel takes an int4 copy, made from its
     current (float32) weight; returns how many got one. With `lossless_only`, all or none: if
-    any weight is not 4-bit already, nothing is quantized."""
+    any weight is not 4-bit already, nothing is quantized. `kernel`: servelm's C kernel, which
+    then serves these copies in place of torch's."""
     made = []
     for module in model.modules():
         if isinstance(module, Linear) and can_int4(module.weight, dtype):
-            weight = Int4Weight(module.weight, dtype)
+            weight = Int4Weight(module.weight, dtype, kernel)
             if lossless_only and weight.error > INT4_LOSSLESS_STEPS:
                 return 0
             made.append((module, weight))

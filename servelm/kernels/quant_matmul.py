@@ -1,0 +1,104 @@
+"""Quantized weights times a few bfloat16 rows, in `quant_matmul.c`: a decode step's matmuls.
+
+    kernel = QuantMatmul.load()                 # None: no C compiler here, use torch
+    packed = kernel.pack_q4(q, scale, low)      # once, at load: q [N, K] in 0..15
+    y = kernel.q4(x, packed, N)                 # x [B, K] bfloat16 -> y [B, N] bfloat16
+    packed = kernel.pack_q8(q, scale)           # q [N, K] in -127..127
+    y = kernel.q8(x, packed, N)
+
+Groups of 32 along each row share a float16 scale (and, for q4, a low): GGUF's Q4_1 and Q8_0,
+whose values these hold exactly. `pack_*` lay the weight out as the C code reads it: rows in
+blocks of 16, one vector lane per row (see the C file).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from servelm.kernels.build import load_library
+
+SOURCE = Path(__file__).with_name("quant_matmul.c")
+GROUP = 32  # weights along a row that share a scale
+LANES = 16  # rows per block
+Q4_BYTES = LANES * GROUP // 2 + LANES * 2 * 2  # per block and group: quants, scales, lows
+Q8_BYTES = LANES * GROUP + LANES * 2  # quants, scales
+
+_ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
+
+
+def _as_bytes(t: torch.Tensor, blocks: int, groups: int) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8).reshape(blocks, groups, -1)
+
+
+def _per_block(values: torch.Tensor) -> torch.Tensor:
+    """[N, G] float -> [N / 16, G, 16] float16: a group's values for a block's 16 rows."""
+    rows, groups = values.shape
+    return values.to(torch.float16).view(rows // LANES, LANES, groups).transpose(1, 2)
+
+
+class QuantMatmul:
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fns = {}
+        for kind in ("q4", "q8"):
+            fn = getattr(lib, f"{kind}_matmul_bf16")
+            fn.argtypes, fn.restype = [_ptr, _ptr, _ptr, _i64, _i64, _i64], None
+            self._fns[kind] = fn
+
+    @classmethod
+    def load(cls, extra_flags: tuple[str, ...] = ()) -> QuantMatmul | None:
+        lib = load_library(SOURCE, extra_flags)
+        return None if lib is None else cls(lib)
+
+    @staticmethod
+    def takes(rows: int, cols: int) -> bool:
+        return rows % LANES == 0 and cols % GROUP == 0
+
+    @staticmethod
+    def pack_q4(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+        """q [N, K] integers in 0..15, scale and low [N, K / 32] -> [N / 16, K / 32, Q4_BYTES]
+        for W[n, 32g + j] = q[n, 32g + j] * scale[n, g] + low[n, g]."""
+        N, K = q.shape
+        blocks, groups = N // LANES, K // GROUP
+        # j = 16h + 2c + e: chunk c, byte 2i + e of row i holds h = 0 low and h = 1 high
+        qv = q.to(torch.uint8).view(blocks, LANES, groups, 2, 8, 2)
+        quants = (qv[:, :, :, 0] | (qv[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)
+        parts = [quants, _per_block(scale), _per_block(low)]
+        return torch.cat([_as_bytes(p, blocks, groups) for p in parts], dim=-1)
+
+    @staticmethod
+    def pack_q8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """q [N, K] integers in -127..127, scale [N, K / 32] -> [N / 16, K / 32, Q8_BYTES]
+        for W[n, 32g + j] = q[n, 32g + j] * scale[n, g]."""
+        N, K = q.shape
+        blocks, groups = N // LANES, K // GROUP
+        quants = q.to(torch.int8).view(blocks, LANES, groups, GROUP).permute(0, 2, 3, 1)
+        parts = [quants, _per_block(scale)]
+        return torch.cat([_as_bytes(p, blocks, groups) for p in parts], dim=-1)
+
+    def q4(self, x: torch.Tensor, packed: torch.Tensor, rows: int) -> torch.Tensor:
+        """x [B, K] bfloat16 -> [B, rows] bfloat16, for `packed` from `pack_q4` of [rows, K]."""
+        return self._call("q4", Q4_BYTES, x, packed, rows)
+
+    def q8(self, x: torch.Tensor, packed: torch.Tensor, rows: int) -> torch.Tensor:
+        """x [B, K] bfloat16 -> [B, rows] bfloat16, for `packed` from `pack_q8` of [rows, K]."""
+        return self._call("q8", Q8_BYTES, x, packed, rows)
+
+    def _call(self, kind, block_bytes, x, packed, rows) -> torch.Tensor:
+        x = x.contiguous()
+        B, K = x.shape
+        if (
+            x.dtype != torch.bfloat16
+            or not x.is_cpu
+            or not self.takes(rows, K)
+            or packed.shape != (rows // LANES, K // GROUP, block_bytes)
+        ):
+            raise ValueError(
+                f"{kind}_matmul: x {tuple(x.shape)} {x.dtype} does not fit a packed weight of "
+                f"{rows} rows, shape {tuple(packed.shape)}"
+            )
+        y = torch.empty(B, rows, dtype=torch.bfloat16)
+        self._fns[kind](x.data_ptr(), packed.data_ptr(), y.data_ptr(), B, rows, K)
+        return y

@@ -1,0 +1,154 @@
+"""The C quantized matmuls give x W^T for 4-bit (Q4_1) and 8-bit (Q8_0) weights: against a
+float64 reference (each result is the exact sum rounded once to bfloat16, up to float32's error
+in the sum), on the vector path this CPU takes and on the portable C path, and as the
+`Int4Weight` / `Q8Weight` the model uses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from servelm.kernels.build import compiler
+from servelm.kernels.quant_matmul import QuantMatmul
+from servelm.model.layers.linear import INT4_MAX_ROWS, Int4Weight, LogitsHead, Q8Weight
+
+pytestmark = pytest.mark.skipif(compiler() is None, reason="no C compiler on this machine")
+
+
+@pytest.fixture(scope="module")
+def kernel() -> QuantMatmul:
+    loaded = QuantMatmul.load()
+    assert loaded is not None
+    return loaded
+
+
+@pytest.fixture(scope="module")
+def portable() -> QuantMatmul:
+    # Without AVX-512 the file's plain C paths are compiled instead of the intrinsics.
+    loaded = QuantMatmul.load(extra_flags=("-mno-avx512f",))
+    assert loaded is not None
+    return loaded
+
+
+def q4_weight(rows: int, cols: int, seed: int = 0):
+    """A weight on a Q4_1 grid: quants, float16 scales and lows, and the float64 weight."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (rows, cols), generator=g)
+    q.view(rows, -1, 32)[..., :2] = torch.tensor([0, 15])  # as a Q4_1 quantizer's groups span
+    scale = (torch.rand(rows, cols // 32, generator=g) * 0.02 + 1e-3).half()
+    low = (-torch.rand(rows, cols // 32, generator=g) * 0.15).half()
+    w = q.double().view(rows, -1, 32) * scale.double()[..., None] + low.double()[..., None]
+    return q, scale.float(), low.float(), w.view(rows, cols)
+
+
+def assert_rounded_once(got: torch.Tensor, want: torch.Tensor) -> None:
+    # One bfloat16 rounding is at most half a step, 2^-9 relative; float32 sums add ~1e-6.
+    assert got.dtype == torch.bfloat16
+    err = (got.double() - want).abs()
+    assert (err <= want.abs() * 2.0**-8 + 1e-4).all(), err.max().item()
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 5, 8, 9, 17])
+@pytest.mark.parametrize("shape", [(16, 32), (48, 96), (960, 576), (576, 1536)])
+def test_matches_the_exact_product(kernel, batch, shape):
+    rows, cols = shape
+    q, scale, low, w = q4_weight(rows, cols, seed=batch)
+    x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(7)).bfloat16()
+    got = kernel.q4(x, QuantMatmul.pack_q4(q, scale, low), rows)
+    assert got.shape == (batch, rows)
+    assert_rounded_once(got, x.double() @ w.T)
+
+
+@pytest.mark.parametrize("batch", [1, 4, 9])
+def test_portable_c_path_computes_the_same(kernel, portable, batch):
+    q, scale, low, w = q4_weight(64, 160, seed=3)
+    x = torch.randn(batch, 160, generator=torch.Generator().manual_seed(8)).bfloat16()
+    packed = QuantMatmul.pack_q4(q, scale, low)
+    got = portable.q4(x, packed, 64)
+    assert_rounded_once(got, x.double() @ w.T)
+    # the two paths differ at most in the order of float32 sums: one rounding step apart
+    torch.testing.assert_close(got, kernel.q4(x, packed, 64), rtol=2**-7, atol=1e-4)
+
+
+def test_int4_weight_holds_a_q4_1_grid_exactly_and_agrees_with_torchs_kernel(kernel):
+    q, scale, low, w = q4_weight(96, 192, seed=11)
+    ours = Int4Weight(w.float(), torch.bfloat16, kernel)
+    assert ours.kernel is kernel and ours.error < 1e-3
+    theirs = Int4Weight(w.float(), torch.bfloat16)  # torch's kernel, bf16 scales
+    x = torch.randn(3, 192, generator=torch.Generator().manual_seed(1)).bfloat16()
+    assert_rounded_once(ours(x), x.double() @ w.T)
+    # torch's rounds its scales to bfloat16, so it is the less exact of the two
+    torch.testing.assert_close(ours(x), theirs(x), rtol=0.02, atol=0.02)
+    assert ours.nbytes == theirs.nbytes == 96 * 192 // 2 + 96 * (192 // 32) * 2 * 2
+
+
+def test_scales_beyond_float16_fall_back_to_torchs_kernel(kernel):
+    w = torch.randn(16, 32) * 1e6  # steps of ~1e5 are fine, lows of -2e6 are not float16
+    weight = Int4Weight(w, torch.bfloat16, kernel)
+    assert weight.kernel is None
+
+
+def test_refuses_inputs_that_do_not_fit_the_packed_weight(kernel):
+    q, scale, low, _ = q4_weight(32, 64)
+    packed = QuantMatmul.pack_q4(q, scale, low)
+    with pytest.raises(ValueError, match="does not fit"):
+        kernel.q4(torch.zeros(1, 96, dtype=torch.bfloat16), packed, 32)  # another K
+    with pytest.raises(ValueError, match="does not fit"):
+        kernel.q4(torch.zeros(1, 64, dtype=torch.bfloat16), packed, 48)  # another N
+    with pytest.raises(ValueError, match="does not fit"):
+        kernel.q4(torch.zeros(1, 64), packed, 32)  # float32 x
+    assert QuantMatmul.takes(48, 96) and not QuantMatmul.takes(40, 96)
+    assert not QuantMatmul.takes(48, 80)
+
+
+def q8_weight(rows: int, cols: int, seed: int = 0):
+    """A weight on a Q8_0 grid (each group's largest |q| is 127, as the quantizer makes it)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (rows, cols), generator=g)
+    q.view(rows, -1, 32)[..., 0] = 127
+    scale = (torch.rand(rows, cols // 32, generator=g) * 0.01 + 1e-4).half().float()
+    return q, scale, (q.double().view(rows, -1, 32) * scale.double()[..., None]).view(rows, cols)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 4, 8, 11])
+@pytest.mark.parametrize("shape", [(16, 32), (48, 96), (4096, 576)])
+def test_q8_matches_the_exact_product(kernel, batch, shape):
+    rows, cols = shape
+    q, scale, w = q8_weight(rows, cols, seed=batch)
+    x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(5)).bfloat16()
+    got = kernel.q8(x, QuantMatmul.pack_q8(q, scale), rows)
+    assert got.shape == (batch, rows)
+    assert_rounded_once(got, x.double() @ w.T)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_q8_portable_c_path_computes_the_same(kernel, portable, batch):
+    q, scale, w = q8_weight(32, 128, seed=2)
+    x = torch.randn(batch, 128, generator=torch.Generator().manual_seed(6)).bfloat16()
+    packed = QuantMatmul.pack_q8(q, scale)
+    got = portable.q8(x, packed, 32)
+    assert_rounded_once(got, x.double() @ w.T)
+    torch.testing.assert_close(got, kernel.q8(x, packed, 32), rtol=2**-7, atol=1e-4)
+
+
+def test_q8_weight_is_made_only_from_weights_on_the_grid(kernel):
+    q, scale, w = q8_weight(32, 64, seed=4)
+    exact = Q8Weight.exact(w.float(), kernel)
+    assert exact is not None
+    assert torch.equal(exact.packed, QuantMatmul.pack_q8(q, scale))  # the same q and scales
+    off_grid = w.float() + 1e-3 * torch.randn(32, 64, generator=torch.Generator().manual_seed(0))
+    assert Q8Weight.exact(off_grid, kernel) is None
+    assert Q8Weight.exact(w.float()[:24], kernel) is None  # 24 rows: not whole blocks of 16
+
+
+def test_logits_head_reads_the_q8_copy_for_decode_sized_inputs(kernel):
+    q, scale, w = q8_weight(64, 96, seed=9)
+    # a head whose bf16 weight differs from its Q8 copy shows which one a call read
+    head = LogitsHead(torch.zeros(64, 96, dtype=torch.bfloat16), Q8Weight(q, scale, kernel))
+    for rows in (1, INT4_MAX_ROWS, INT4_MAX_ROWS + 1):
+        x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        got = head(x)
+        if rows <= INT4_MAX_ROWS:
+            assert_rounded_once(got, x.double() @ w.T)
+        else:
+            assert not got.any()
