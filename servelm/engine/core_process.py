@@ -60,9 +60,8 @@ def run_engine_core(
         t0 = time.perf_counter()
         core, info = create_engine_core(args)
         if args.step_trace:  # opened before "ready": a bad path fails the start, not a step
-            engine = {"quantized_max_tokens": core.executor.quantized_max_tokens}
             core.executor = recorder = StepRecorder(core.executor)
-            trace = StepTraceWriter(args.step_trace, recorder, engine)
+            trace = StepTraceWriter(args.step_trace, recorder)
         # Everything allocated so far (model, tokenizer tables) lives as long as the process:
         # keep it out of the garbage collector's generations so collections stay short.
         gc.collect()

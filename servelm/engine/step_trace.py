@@ -91,16 +91,11 @@ class StepRecorder:
 
 
 class StepTraceWriter:
-    """Appends `{"time", "seconds", <composition>}` lines to a file, one per step, after one
-    `{"engine": {...}}` line with what the engine says about itself (`engine`), if given."""
+    """Appends `{"time", "seconds", <composition>}` lines to a file, one per step."""
 
-    def __init__(
-        self, path: str | Path, recorder: StepRecorder, engine: dict[str, Any] | None = None
-    ) -> None:
+    def __init__(self, path: str | Path, recorder: StepRecorder) -> None:
         self.recorder = recorder
         self.file: IO[str] = Path(path).open("a", buffering=1)  # line-buffered: survives a kill
-        if engine:
-            self.file.write(json.dumps({"engine": engine}) + "\n")
 
     def write(self, seconds: float) -> None:
         line = {"time": round(time.time(), 4), "seconds": round(seconds, 7)}
@@ -110,28 +105,13 @@ class StepTraceWriter:
         self.file.close()
 
 
-def _rows(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
+def read_step_trace(path: str | Path) -> list[tuple[StepComposition, float]]:
+    """(composition, seconds) of every complete line of a trace written by `StepTraceWriter`."""
+    steps = []
     for number, line in enumerate(Path(path).read_text().splitlines(), 1):
         try:
-            yield number, json.loads(line)
+            row = json.loads(line)
         except json.JSONDecodeError:  # a line cut short by a kill
-            continue
-
-
-def read_trace_engine(path: str | Path) -> dict[str, Any]:
-    """What the engine that wrote the trace said about itself (its `engine` lines, merged)."""
-    info: dict[str, Any] = {}
-    for _, row in _rows(path):
-        if isinstance(row, dict) and isinstance(row.get("engine"), dict):
-            info |= row["engine"]
-    return info
-
-
-def read_step_trace(path: str | Path) -> list[tuple[StepComposition, float]]:
-    """(composition, seconds) of every complete step line of a trace from `StepTraceWriter`."""
-    steps = []
-    for number, row in _rows(path):
-        if isinstance(row, dict) and "engine" in row:
             continue
         try:
             seconds = float(row.pop("seconds"))

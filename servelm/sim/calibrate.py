@@ -31,12 +31,7 @@ from servelm.config import EngineArgs
 from servelm.engine.core import EngineCore
 from servelm.engine.request import Request
 from servelm.engine.sampling_params import SamplingParams
-from servelm.engine.step_trace import (
-    StepComposition,
-    StepRecorder,
-    read_step_trace,
-    read_trace_engine,
-)
+from servelm.engine.step_trace import StepComposition, StepRecorder, read_step_trace
 from servelm.planner.shapes import shape_from_folder
 from servelm.sim.config import SimConfig, device_profile
 from servelm.sim.fit import TimedStep, fit_profile, relative_errors
@@ -166,7 +161,6 @@ def calibrate(
 
     engine_kwargs.setdefault("device", "cpu")
     llm = LLM(model, **engine_kwargs)
-    cut = llm.engine.executor.quantized_max_tokens  # before the bench wraps the executor
     shape = shape_from_folder(llm.info.model_dir)
     cost = ModelCost.from_shape(shape)
     bench = _Bench(llm.engine, shape.vocab_size, seed, clock, torch.get_num_threads())
@@ -191,8 +185,9 @@ def calibrate(
     held = [best[i] for i, (_, fit) in enumerate(plan) if not fit]
     report = {"rounds": done, "clock": clock, "torch_threads": bench.threads,
               "timed_wall_s": bench.wall_s, "timed_cpu_s": bench.cpu_s}  # fmt: skip
-    name = f"cpu fitted on {shape.name}"
-    return _fit(fitted, held, cost, name, str(llm.info.model_dir), report, t0, cut=cut)
+    return _fit(
+        fitted, held, cost, f"cpu fitted on {shape.name}", str(llm.info.model_dir), report, t0
+    )
 
 
 def calibrate_from_trace(
@@ -216,10 +211,9 @@ def calibrate_from_trace(
     report = {"traces": [str(p) for p in paths], "steps": len(steps), "clock": "wall (server loop)"}
     cost = ModelCost.from_shape(shape)
     name = f"cpu fitted on {shape.name} (server trace)"
-    cut = max(read_trace_engine(p).get("quantized_max_tokens", 0) for p in paths)
     # Least squares on seconds: a simulated run's time is the sum of its steps, so the many
     # short decode steps and the few long prefills should add up to what was traced.
-    return _fit(fitted, held, cost, name, str(model_dir), report, t0, relative=False, cut=cut)
+    return _fit(fitted, held, cost, name, str(model_dir), report, t0, relative=False)
 
 
 def fit_frontend_latency(
@@ -268,9 +262,8 @@ def _fit(
     report: dict[str, Any],
     t0: float,
     relative: bool = True,
-    cut: int = 0,
 ) -> Calibration:
-    profile = fit_profile(fitted, cost, name=name, relative=relative, quantized_max_tokens=cut)
+    profile = fit_profile(fitted, cost, name=name, relative=relative)
     errors = relative_errors(profile, cost, held)
     fit_errors = relative_errors(profile, cost, fitted)
     report = {

@@ -2,12 +2,9 @@
 
 The roofline prices a step as
 
-    t = max(a x FLOPs, b x bytes) + c + d x requests [+ e x (tokens > cut)]
-                                                        a = 1/FLOP/s, b = 1/(bytes/s)
+    t = max(a x FLOPs, b x bytes) + c + d x requests      a = 1/FLOP/s, b = 1/(bytes/s)
 
-which is linear in (a, b, c, d, e) once each point's bound (compute or memory) is fixed. The
-last term is there only for an engine that serves steps of at most `cut` tokens from quantized
-weights (`quantized_max_tokens`): e is what reading the full-precision weights adds. The fit
+which is linear in (a, b, c, d) once each point's bound (compute or memory) is fixed. The fit
 alternates: assign each point the bound the current estimate gives it, solve the weighted
 nonnegative least squares for (a, b, c, d), repeat until the assignment stops changing. Weights
 are 1/t by default, so the error minimised is relative (a 50 ms step matters as much as a 2 s
@@ -61,17 +58,16 @@ def nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
     return best
 
 
-def _terms(points: Sequence[TimedStep], cost: ModelCost, cut: int) -> tuple[np.ndarray, ...]:
-    flops, nbytes, reqs, full, secs = [], [], [], [], []
+def _terms(points: Sequence[TimedStep], cost: ModelCost) -> tuple[np.ndarray, ...]:
+    flops, nbytes, reqs, secs = [], [], [], []
     for p in points:
         s = p.step
         c = price(s, _UNIT, cost)
         flops.append(c.flops)
         nbytes.append(c.bytes)
         reqs.append(s.num_requests)
-        full.append(cut > 0 and s.prefill_tokens + s.decode_tokens > cut)
         secs.append(p.seconds)
-    return tuple(np.asarray(v, dtype=float) for v in (flops, nbytes, reqs, full, secs))
+    return tuple(np.asarray(v, dtype=float) for v in (flops, nbytes, reqs, secs))
 
 
 def fit_profile(
@@ -79,31 +75,25 @@ def fit_profile(
     cost: ModelCost,
     name: str = "cpu (fitted)",
     relative: bool = True,
-    quantized_max_tokens: int = 0,
 ) -> DeviceProfile:
     """The measured profile whose roofline best matches `points`: least squares on relative
     errors (each step counts alike), or with `relative=False` on seconds (each second counts
-    alike, so the summed time of many steps comes out right). `quantized_max_tokens`: the
-    engine's cut between steps on quantized and on full-precision weights (0: none)."""
+    alike, so the summed time of many steps comes out right)."""
     if len(points) < 4:
         raise ValueError(f"need at least 4 timed steps to fit 4 terms, got {len(points)}")
-    flops, nbytes, reqs, full, t = _terms(points, cost, quantized_max_tokens)
+    flops, nbytes, reqs, t = _terms(points, cost)
     w = 1.0 / t if relative else np.full_like(t, 1.0 / np.median(t))
     ones = np.ones_like(t)
-    # the cut's term only where the engine has one and the points fall on both sides of it
-    extra = [full] if 0 < full.sum() < len(full) else []
 
     def solve(compute: np.ndarray) -> np.ndarray:
-        a = np.column_stack([flops * compute, nbytes * ~compute, ones, reqs, *extra])
-        return nnls(a * w[:, None], t * w)
+        a = np.column_stack([flops * compute, nbytes * ~compute, ones, reqs]) * w[:, None]
+        return nnls(a, t * w)
 
     def error(x: np.ndarray) -> float:  # what the weighted least squares minimises
         pred = np.maximum(x[0] * flops, x[1] * nbytes) + x[2] + x[3] * reqs
-        if extra:
-            pred = pred + x[4] * full
         return float(np.sqrt(np.mean(((pred - t) * w) ** 2)))
 
-    additive = nnls(np.column_stack([flops, nbytes, ones, reqs, *extra]) * w[:, None], t * w)
+    additive = nnls(np.column_stack([flops, nbytes, ones, reqs]) * w[:, None], t * w)
     starts = [additive[0] * flops >= additive[1] * nbytes, np.ones(len(t), bool)]
     starts.append(np.zeros(len(t), bool))
     best, best_err = additive, np.inf
@@ -118,15 +108,13 @@ def fit_profile(
         err = error(x)
         if err < best_err:
             best, best_err = x, err
-    a, b, c, d = (float(v) for v in best[:4])
+    a, b, c, d = (float(v) for v in best)
     return measured_profile(
         flops=1.0 / a if a > 0 else NEVER_BINDS,
         bandwidth=1.0 / b if b > 0 else NEVER_BINDS,
         step_overhead_s=c,
         name=name,
         per_request_s=d,
-        quantized_max_tokens=quantized_max_tokens if extra else 0,
-        full_weights_s=float(best[4]) if extra else 0.0,
     )
 
 

@@ -7,7 +7,6 @@ one-token decodes). Its time is
           + attention FLOPs / (peak_flops x attention_efficiency),
         bytes / (mem_bandwidth x bandwidth_efficiency))
     + tensor-parallel all-reduce time + step_overhead_s + per_request_s x requests
-    + full_weights_s if the step has more than quantized_max_tokens new tokens
 
 where bytes = the weights, streamed once per step whatever the batch size, plus the KV
 cache of every token the step's requests attend to, plus the KV written for new tokens.
@@ -75,12 +74,6 @@ class DeviceProfile:
     # seconds a request spends outside the engine's steps before the client sees a token
     # (HTTP, tokenizing, IPC both ways, detokenizing, streaming): added to TTFT and e2e
     frontend_latency_s: float = 0.0
-    # An engine that serves small steps from quantized copies of its weights (servelm on a
-    # CPU: int4 projections and a Q8_0 head for steps of at most 8 tokens) reads the
-    # full-precision weights only in larger steps; those cost `full_weights_s` more.
-    # 0 tokens: one set of weights for every step.
-    quantized_max_tokens: int = 0
-    full_weights_s: float = 0.0
 
     def effective_flops(self) -> float:
         return self.peak_flops * self.compute_efficiency
@@ -121,22 +114,12 @@ def measured_profile(
     step_overhead_s: float = 0.0,
     name: str = "cpu",
     per_request_s: float = 0.0,
-    quantized_max_tokens: int = 0,
-    full_weights_s: float = 0.0,
 ) -> DeviceProfile:
     """A profile from measured (achieved) FLOP/s and bytes/s, e.g. a CPU after calibration."""
-    if flops <= 0 or bandwidth <= 0 or min(step_overhead_s, per_request_s, full_weights_s) < 0:
+    if flops <= 0 or bandwidth <= 0 or step_overhead_s < 0 or per_request_s < 0:
         raise ValueError("measured flops and bandwidth must be positive, overheads non-negative")
     return DeviceProfile(
-        name,
-        flops,
-        bandwidth,
-        1.0,
-        1.0,
-        step_overhead_s,
-        per_request_s=per_request_s,
-        quantized_max_tokens=quantized_max_tokens,
-        full_weights_s=full_weights_s,
+        name, flops, bandwidth, 1.0, 1.0, step_overhead_s, per_request_s=per_request_s
     )
 
 
@@ -247,8 +230,6 @@ def step_cost(
         if num_requests is None:  # decodes are one request each; assume one prefill request
             num_requests = decode_tokens + (1 if prefill_tokens else 0)
         overhead += profile.per_request_s * num_requests
-    if profile.quantized_max_tokens and new_tokens > profile.quantized_max_tokens:
-        overhead += profile.full_weights_s
     total = max(compute_s, memory_s) + comm + overhead
     return StepCost(flops, nbytes, compute_s, memory_s, comm, overhead, total)
 

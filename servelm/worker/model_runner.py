@@ -21,7 +21,6 @@ from servelm.kernels.cpu_ops import CpuOps
 from servelm.kernels.paged_decode import PagedDecodeKernel
 from servelm.kernels.quant_matmul import QuantMatmul
 from servelm.model.config import ModelSpec
-from servelm.model.layers.linear import INT4_MAX_ROWS
 from servelm.model.loader import build_model
 from servelm.worker.attention import TorchPagedAttention
 from servelm.worker.sampler import SamplingBatch, sample
@@ -144,11 +143,6 @@ class ModelRunner:
             caches, self.spec.head_dim**-0.5, self.block_size, decode_kernel=kernel
         )
         self.num_blocks = num_blocks
-
-    @property
-    def quantized_max_tokens(self) -> int:
-        """Steps of at most this many tokens read the quantized weights (0: there are none)."""
-        return INT4_MAX_ROWS if self.int4_layers else 0
 
     @property
     def kernel_summary(self) -> str:

@@ -45,24 +45,3 @@ def test_noisy_points_fit_within_noise():
     assert max(abs(e) for e in relative_errors(fitted, COST, points)) < 0.12
     with pytest.raises(ValueError):
         fit_profile(points[:3], COST)
-
-
-def test_recovers_the_cost_of_reading_full_weights_above_the_quantized_cut():
-    # An engine whose steps of <= 8 tokens read quantized weights: larger ones cost 9 ms more.
-    truth = measured_profile(
-        80e9, 1e30, step_overhead_s=0.01, per_request_s=0.001,
-        quantized_max_tokens=8, full_weights_s=0.009,
-    )  # fmt: skip
-    points = [TimedStep(s, predict(truth, COST, s)) for s in steps()]
-    fitted = fit_profile(points, COST, quantized_max_tokens=8)
-    assert (fitted.quantized_max_tokens, fitted.full_weights_s) == (8, pytest.approx(0.009))
-    assert max(abs(e) for e in relative_errors(fitted, COST, points)) < 1e-6
-    # Without the cut the same points cannot be fitted exactly: 8 and 16 decodes differ by
-    # more than their 8 requests and FLOPs explain.
-    plain = fit_profile(points, COST)
-    assert plain.quantized_max_tokens == 0 and plain.full_weights_s == 0
-    assert max(abs(e) for e in relative_errors(plain, COST, points)) > 0.05
-    # A cut that no point crosses gives the fit nothing to go on: no term.
-    small = [StepComposition(0, b, b * 64, b * 65, b, b) for b in range(1, 9)]
-    small = [TimedStep(s, predict(truth, COST, s)) for s in small]
-    assert fit_profile(small, COST, quantized_max_tokens=8).quantized_max_tokens == 0

@@ -97,17 +97,6 @@ def test_measured_cpu_profile():
         measured_profile(0, 1)
 
 
-def test_steps_above_the_quantized_cut_pay_for_the_full_weights():
-    cpu = measured_profile(1e12, 1e30, step_overhead_s=0.005, quantized_max_tokens=8,
-                           full_weights_s=0.01)  # fmt: skip
-    tiny = ModelCost.from_shape(get_model("smollm2-135m"))
-    eight, nine = step_time(cpu, tiny, 0, 8, 800), step_time(cpu, tiny, 0, 9, 900)
-    assert nine - eight == pytest.approx(0.01, abs=1e-3)  # the jump, plus one token's FLOPs
-    assert step_time(cpu, tiny, 100, 0, 0) > step_time(cpu, tiny, 8, 0, 0) + 0.01
-    with pytest.raises(ValueError):
-        measured_profile(1e12, 1e9, full_weights_s=-1.0)
-
-
 def test_attention_runs_at_its_own_efficiency():
     # FlashAttention-class kernels: 0.6 of peak on the datasheet profiles; the matmuls 0.4
     assert H100.attention_efficiency == 0.6 and H100.compute_efficiency == 0.4
