@@ -31,7 +31,9 @@
 #define LANES 16                                  /* rows per block */
 #define Q4_BYTES (LANES * GROUP / 2 + LANES * 2 * 2) /* quants, then scales and lows */
 #define Q8_BYTES (LANES * GROUP + LANES * 2)         /* quants, then scales */
-#define PREFETCH 8                                   /* blocks ahead, in the order read */
+#ifndef PREFETCH
+#define PREFETCH 8 /* blocks ahead, in the order read */
+#endif
 #define MAX_B 8                                   /* rows of x per pass over W */
 
 /* sum_j x[b, 32g + j] for every row b and group g, from bfloat16 x [B, K] */
@@ -68,7 +70,7 @@ INLINE void Q4_block(const uint16_t *x, const float *xs, const uint8_t *w, uint1
                 lo_sum[b][k] = hi_sum[b][k] = _mm512_setzero_ps();
 #pragma GCC unroll 8
         for (int c = 0; c < 8; c++) {
-            if (c % 2 == 0)
+            if (c % 2 == 0) /* the block's 5 cache lines: 4 of quants here, scales below */
                 _mm_prefetch((const char *)(w + PREFETCH * Q4_BYTES + 32 * c), _MM_HINT_T0);
             const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(w + 32 * c)));
             /* (v & 15) | 0x4300 and (v >> 4) | 0x4300: bfloat16 128 + q */
@@ -82,6 +84,7 @@ INLINE void Q4_block(const uint16_t *x, const float *xs, const uint8_t *w, uint1
                 hi_sum[b][c % CHAINS] = _mm512_dpbf16_ps(hi_sum[b][c % CHAINS], hi, x_hi);
             }
         }
+        _mm_prefetch((const char *)(w + PREFETCH * Q4_BYTES + LANES * GROUP / 2), _MM_HINT_T0);
         const uint16_t *sl = (const uint16_t *)(w + LANES * GROUP / 2);
         const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sl));
         const __m512 low = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sl + LANES)));
