@@ -1,4 +1,5 @@
-/* What servelm's C kernels share: bfloat16 <-> float32 as torch converts, and a vectorizable e^x.
+/* What servelm's C kernels share: bfloat16 <-> float32 as torch converts, float16 -> float32, and a
+ * vectorizable e^x.
  * Included by each kernel source; `build.py` hashes it with them. */
 
 #ifndef SERVELM_KERNELS_COMMON_H
@@ -25,6 +26,24 @@ INLINE uint16_t float_to_bf16(float f) /* round to nearest even, as torch does *
         return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
     u += 0x7fffu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
+}
+
+INLINE float half_to_float(uint16_t h) /* IEEE float16 -> float32, exactly */
+{
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    uint32_t u;
+    if (exp == 0x1f) /* inf, NaN */
+        u = sign | 0x7f800000u | (man << 13);
+    else if (exp) /* normal: rebias the exponent */
+        u = sign | ((exp + 112) << 23) | (man << 13);
+    else { /* zero or subnormal: man * 2^-24, exact in float32 */
+        float f = (float)man * 5.9604644775390625e-8f;
+        memcpy(&u, &f, sizeof u);
+        u |= sign;
+    }
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
 }
 
 /* e^x over float32's range, in a form the compiler vectorizes: x = n ln2 + r with

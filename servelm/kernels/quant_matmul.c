@@ -53,8 +53,8 @@ static void group_sums(const uint16_t *x, float *xs, int64_t B, int64_t K)
 /* One block of 16 rows against B rows of x (B a constant at each call site, so the loops over it
  * unroll and the accumulators stay in registers). Two dot-product chains per row of x, low and
  * high nibbles, so the FMA units do not wait on one chain. */
-INLINE void Q4_block(const uint16_t *x, const float *xs, const uint8_t *w, uint16_t *y, int64_t N,
-                  int64_t K, const int B)
+INLINE void Q4_block(const uint16_t *x, const float *xs, const uint8_t *w, uint16_t *y,
+                     int64_t N, int64_t K, const int B)
 {
     const int64_t G = K / GROUP;
     const __m512i low_nibble = _mm512_set1_epi16(0x000f), bias = _mm512_set1_epi16(0x4300);
@@ -103,8 +103,8 @@ INLINE void Q4_block(const uint16_t *x, const float *xs, const uint8_t *w, uint1
 
 #else
 
-INLINE void Q4_block(const uint16_t *x, const float *xs, const uint8_t *w, uint16_t *y, int64_t N,
-                  int64_t K, const int B)
+INLINE void Q4_block(const uint16_t *x, const float *xs, const uint8_t *w, uint16_t *y,
+                     int64_t N, int64_t K, const int B)
 {
     const int64_t G = K / GROUP;
     float acc[MAX_B][LANES] = {{0}};
@@ -121,8 +121,7 @@ INLINE void Q4_block(const uint16_t *x, const float *xs, const uint8_t *w, uint1
                                   (float)(byte >> 4) * bf16_to_float(xg[16]);
                     }
             for (int i = 0; i < LANES; i++)
-                acc[b][i] += (float)((const _Float16 *)sl)[i] * dot[i] +
-                             (float)((const _Float16 *)sl)[LANES + i] * xs[b * G + g];
+                acc[b][i] += half_to_float(sl[i]) * dot[i] + half_to_float(sl[LANES + i]) * xs[b * G + g];
         }
     }
     for (int b = 0; b < B; b++)
@@ -137,7 +136,7 @@ INLINE void Q4_block(const uint16_t *x, const float *xs, const uint8_t *w, uint1
 #include <immintrin.h>
 
 /* One block of 16 rows against B rows of x (in float32, xf [B, K]). Up to four chains of FMAs
- * per row of x, as in q4_block. */
+ * per row of x, as in Q4_block. */
 INLINE void Q8_block(const uint16_t *x, const float *xf, const uint8_t *w, uint16_t *y,
                      int64_t N, int64_t K, const int B)
 {
@@ -184,14 +183,14 @@ INLINE void Q8_block(const uint16_t *x, const float *xf, const uint8_t *w, uint1
     const int64_t G = K / GROUP;
     float acc[MAX_B][LANES] = {{0}};
     for (int64_t g = 0; g < G; g++, w += Q8_BYTES) {
-        const _Float16 *scale = (const _Float16 *)(w + LANES * GROUP);
+        const uint16_t *scale = (const uint16_t *)(w + LANES * GROUP);
         for (int b = 0; b < B; b++) {
             float dot[LANES] = {0};
             for (int j = 0; j < GROUP; j++)
                 for (int i = 0; i < LANES; i++)
                     dot[i] += (float)(int8_t)w[16 * j + i] * xf[b * K + g * GROUP + j];
             for (int i = 0; i < LANES; i++)
-                acc[b][i] += (float)scale[i] * dot[i];
+                acc[b][i] += half_to_float(scale[i]) * dot[i];
         }
     }
     for (int b = 0; b < B; b++)
