@@ -9,7 +9,10 @@ about 1.2-1.4x faster. On CUDA, or in float32, nothing is packed.
 
 A `Linear` may also carry its weight as 4-bit integers (`Int4Weight`), for decode-sized inputs
 only: a decode step reads every weight once, and 4-bit weights are a quarter of the bytes. The
-default model comes from a Q4_1 GGUF, whose weights are 4-bit already, so for it this is exact.
+default model comes from a Q4_1 GGUF, whose weights are 4-bit already, so for it this is exact;
+its logits head is Q8_0 in the file, and `Q8Weight` serves decode-sized inputs from those int8
+values. Both are multiplied by servelm's C kernel (`kernels/quant_matmul.c`) where it is built,
+else (int4 only) by torch's CPU int4 kernel.
 """
 
 from __future__ import annotations
@@ -40,10 +43,11 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 # torch's CPU int4 kernel: groups of 32 inputs share a scale and an offset.
 INT4_GROUP = 32
 # Inputs of at most this many rows (tokens) use the int4 weight; larger ones the bf16 weight.
-# All 120 matmuls of the default model's layers, bf16 packed vs int4, measured on this
-# project's 2-core CPU: 17.4 vs 4.4 ms at 1 row, 16.4 vs 7.5 at 4, 16.6 vs 14.0 at 8, 15.6 vs
-# 19.3 at 12, 16.9 vs 23.8 at 16. The int4 kernel unpacks every weight for each row block,
-# so it wins where reading the weight is the whole cost and loses where arithmetic is.
+# All 120 matmuls of the default model's layers, bf16 packed vs torch's int4 kernel, measured
+# on this project's 2-core CPU: 17.4 vs 4.4 ms at 1 row, 16.4 vs 7.5 at 4, 16.6 vs 14.0 at 8,
+# 15.6 vs 19.3 at 12, 16.9 vs 23.8 at 16. An int4 kernel unpacks every weight for each block of
+# rows, so it wins where reading the weight is the whole cost and loses where arithmetic is;
+# servelm's C kernel is about 2x torch's at 1 row and about even with it at 4 to 8.
 INT4_MAX_ROWS = 8
 # A weight whose values all lie on their group's 4-bit grid (up to float rounding) loses
 # nothing in int4; the distance is measured in grid steps (RTN quantization's worst is 0.5).
