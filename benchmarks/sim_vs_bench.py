@@ -21,7 +21,9 @@
    max-num-batched-tokens, block size, prefix caching, one replica).
 5. Prints rate | real/sim TTFT p50 | error | real/sim TPOT p50 | error, writes
    sim_vs_bench.json, bench.json, sim.json and overlay plots (servelm bench's plot function
-   with both result files) into --out-dir.
+   with both result files) into --out-dir. The steps the server traced during the measured
+   runs are kept too (measured_trace.jsonl), and the profile's price for them is printed next
+   to their traced time: drift of the machine, or a bias of the step model, shows there.
 
 Nothing is tuned per rate, and nothing is fitted to the measured runs: one calibration on its
 own load, one set of engine settings, three rates.
@@ -44,6 +46,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # for tests/live_server.py
 
 from servelm.config import EngineArgs  # noqa: E402
+from servelm.engine.step_trace import read_step_trace  # noqa: E402
+from servelm.planner.shapes import shape_from_folder  # noqa: E402
+from servelm.sim.fit import predict  # noqa: E402
+from servelm.sim.profiles import load_profile  # noqa: E402
+from servelm.sim.roofline import ModelCost  # noqa: E402
 from tests.live_server import LiveServer  # noqa: E402
 
 SERVELM = [sys.executable, "-m", "servelm.cli"]
@@ -196,8 +203,12 @@ def main() -> int:
         sweep = ",".join(f"{r:g}" for r in rates)
         print(f"KV blocks {num_blocks}; simulated capacity {capacity} req/s; rates {sweep}")
 
-        # 4a. measure
+        # 4a. measure (keeping the steps the server traced meanwhile, to judge the profile on)
+        start = len(traced_lines(trace))
         bench_json = bench("bench.json", sweep, args.num_requests, args.seed)
+        time.sleep(0.5)  # the engine writes a step's line just after sending its tokens
+        measured_trace = out / "measured_trace.jsonl"
+        measured_trace.write_text("".join(traced_lines(trace)[start:]))
         t_bench = time.perf_counter()
 
         # 2b. calibrate again, after the measured runs, and fit both passes: the machine's
@@ -207,11 +218,26 @@ def main() -> int:
             fit(passes)
     finally:
         server.stop()
-        trace.unlink(missing_ok=True)  # the measured runs' steps: not used, not kept
+        trace.unlink(missing_ok=True)  # what is kept was copied out above
     fit_report = json.loads(profile.read_text())
     cal_threads = fit_report.get("fit", {}).get("torch_threads")
     if cal_threads is not None and cal_threads != args.num_threads:
         print(f"warning: calibration used {cal_threads} torch threads, server {args.num_threads}")
+
+    # How well the profile prices the steps the server took during the measured runs: the
+    # profile's sum against the traced sum tells machine drift (or a step model's bias) apart
+    # from what happens between steps.
+    steps = read_step_trace(measured_trace)
+    cost = ModelCost.from_shape(shape_from_folder(model_dir))
+    fitted = load_profile(profile).profile
+    predicted = sum(predict(fitted, cost, step) for step, _ in steps)
+    traced = sum(seconds for _, seconds in steps)
+    measured_steps = {"steps": len(steps), "traced_s": traced, "predicted_s": predicted,
+                      "error": error(predicted, traced)}  # fmt: skip
+    print(
+        f"measured runs: {len(steps)} steps, traced {traced:.1f} s, the profile prices them at "
+        f"{predicted:.1f} s ({_pct(measured_steps['error'])})"
+    )
 
     # 4b. simulate the same levels
     sim_json = out / "sim.json"
@@ -255,6 +281,7 @@ def main() -> int:
     table = "\n".join(lines)
     t_end = time.perf_counter()
     summary = {
+        "measured_steps": measured_steps,
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{os.cpu_count()}-core CPU",
         "model": str(model_dir),
