@@ -31,6 +31,7 @@ install-test: $(VENV)/.torch
 
 serve: install
 	$(VENV)/bin/servelm fetch
+	$(PY) -m servelm.kernels.build
 	$(VENV)/bin/servelm serve --host $(HOST) --port $(PORT)
 
 test: install-test

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from servelm.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from servelm.kernels.build import build_all
 from servelm.kernels.cpu_ops import CpuOps
 from servelm.kernels.paged_decode import PagedDecodeKernel
 from servelm.kernels.quant_matmul import QuantMatmul
@@ -93,8 +94,13 @@ class ModelRunner:
             # faster together. The engine process bounds OpenMP's spinning so that sharing the
             # cores with the API process does not stall it (core_process.bound_openmp_spin).
             torch.set_num_threads(num_threads or os.cpu_count() or 1)
-        t0 = time.perf_counter()
+        if self.use_c_kernels:
+            t0 = time.perf_counter()
+            build_all()  # side by side, before any is loaded: a first start compiles them
+            if time.perf_counter() - t0 > 0.5:
+                logger.info("C kernels built in %.2f s", time.perf_counter() - t0)
         self.int4_kernel = QuantMatmul.load() if self.use_c_kernels else None
+        t0 = time.perf_counter()
         self.model = build_model(
             model_dir, spec, self.dtype, self.device, max_model_len, quantization, self.int4_kernel
         )

@@ -144,3 +144,17 @@ def test_a_changed_header_is_a_new_build(tmp_path, monkeypatch):
         assert load_library(source).probe() == value
     assert len(list((tmp_path / "cache").glob("probe-*.so"))) == 2
     load_library.cache_clear()
+
+
+def test_every_kernel_builds_side_by_side_into_the_cache(tmp_path, monkeypatch):
+    from servelm.kernels import build
+
+    monkeypatch.setattr(build, "cache_dir", lambda: tmp_path / "cache")
+    built = build.build_all()
+    assert sorted(p.name.split("-")[0] for p in built) == [
+        "cpu_ops",
+        "paged_decode",
+        "quant_matmul",
+    ]
+    assert all(p.exists() and p.parent == tmp_path / "cache" for p in built)
+    assert build.build_all() == built  # cached: the same files, nothing rebuilt
