@@ -47,8 +47,25 @@ static void group_sums(const uint16_t *x, float *xs, int64_t B, int64_t K)
     }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
+
+/* 16 float32 lanes -> 16 bfloat16 at dst, rounded to nearest even (with AVX-512 BF16 in one
+ * instruction; without it, as float_to_bf16 rounds) */
+INLINE void store_bf16(uint16_t *dst, __m512 v)
+{
+#if defined(__AVX512BF16__)
+    _mm256_storeu_si256((__m256i *)dst, (__m256i)_mm512_cvtneps_pbh(v));
+#else
+    float f[16];
+    _mm512_storeu_ps(f, v);
+    for (int i = 0; i < 16; i++)
+        dst[i] = float_to_bf16(f[i]);
+#endif
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 
 /* One block of 16 rows against B rows of x (B a constant at each call site, so the loops over it
  * unroll and the accumulators stay in registers). Two dot-product chains per row of x, low and
@@ -98,7 +115,7 @@ INLINE void Q4_block(const uint16_t *x, const float *xs, const uint8_t *w, uint1
         }
     }
     for (int b = 0; b < B; b++)
-        _mm256_storeu_si256((__m256i *)(y + b * N), (__m256i)_mm512_cvtneps_pbh(acc[b]));
+        store_bf16(y + b * N, acc[b]);
 }
 
 #else
@@ -133,7 +150,6 @@ INLINE void Q4_block(const uint16_t *x, const float *xs, const uint8_t *w, uint1
 
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
 
 /* One block of 16 rows against B rows of x (in float32, xf [B, K]). Up to four chains of FMAs
  * per row of x, as in Q4_block. */
@@ -171,7 +187,7 @@ INLINE void Q8_block(const uint16_t *x, const float *xf, const uint8_t *w, uint1
         }
     }
     for (int b = 0; b < B; b++)
-        _mm256_storeu_si256((__m256i *)(y + b * N), (__m256i)_mm512_cvtneps_pbh(acc[b]));
+        store_bf16(y + b * N, acc[b]);
 }
 
 #else

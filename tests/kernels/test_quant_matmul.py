@@ -24,13 +24,17 @@ def kernel() -> QuantMatmul:
     return loaded
 
 
-@pytest.fixture(scope="module")
-def portable() -> QuantMatmul:
-    # Without AVX-512 the file's plain C paths are compiled instead of the intrinsics (on a CPU
-    # that is not x86 they are what the usual build compiles).
-    x86 = platform.machine() in ("x86_64", "AMD64")
-    loaded = QuantMatmul.load(extra_flags=("-mno-avx512f",) if x86 else ())
-    assert loaded is not None
+X86 = platform.machine() in ("x86_64", "AMD64")
+# The builds a CPU other than this one would get: without AVX-512, the file's plain C paths
+# (on a CPU that is not x86, what the usual build compiles); AVX-512 without its BF16
+# instructions (Skylake-X, Ice Lake), the plain C q4 path and the AVX-512 q8 path.
+OTHER_BUILDS = [("-mno-avx512f",), ("-mno-avx512bf16",)] if X86 else [()]
+
+
+@pytest.fixture(scope="module", params=OTHER_BUILDS, ids=lambda flags: " ".join(flags) or "default")
+def portable(request) -> QuantMatmul:
+    loaded = QuantMatmul.load(extra_flags=request.param)
+    assert loaded is not None, f"quant_matmul.c does not build with {request.param}"
     return loaded
 
 
