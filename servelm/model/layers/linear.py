@@ -66,6 +66,17 @@ def can_int4(weight: torch.Tensor, dtype: torch.dtype) -> bool:
     )
 
 
+def _on_grid(
+    groups: torch.Tensor, low: torch.Tensor, step: torch.Tensor
+) -> tuple[torch.Tensor, float]:
+    """Each value of `groups` in grid steps above its group's `low`, rounded, and the largest
+    distance to that grid, in steps (0 up to float rounding: the values lie on it). A group of
+    step 0 is constant: every q is 0."""
+    exact = (groups - low).div_(torch.where(step == 0, 1.0, step))
+    q = exact.round()
+    return q, exact.sub_(q).abs_().max().item()
+
+
 class Int4Weight:
     """A weight matrix as 4-bit integers q in groups of `INT4_GROUP` along each row, each group
     with a scale and a low: w = q * scale + low, a GGUF Q4_1 block's form.
@@ -90,10 +101,7 @@ class Int4Weight:
                 low, step = low16, step16
             else:  # beyond float16's range: torch's kernel takes the scales as they are
                 kernel = None
-        step_or_one = torch.where(step == 0, 1.0, step)  # a constant group: every q is 0
-        exact = (groups - low).div_(step_or_one)  # each weight in steps above its group's low
-        q = exact.round()
-        self.error = exact.sub_(q).abs_().max().item()
+        q, self.error = _on_grid(groups, low, step)
         q = q.clamp_(0, 15).view(rows, cols)
         self.rows, self.kernel = rows, kernel
         if kernel is not None:
@@ -135,9 +143,8 @@ class Q8Weight:
         scale = (groups.abs().amax(-1, keepdim=True) / 127).half().float()
         if not scale.isfinite().all():
             return None
-        exact = groups / torch.where(scale == 0, 1.0, scale)
-        q = exact.round()
-        if (exact - q).abs().max().item() > INT4_LOSSLESS_STEPS:
+        q, error = _on_grid(groups, 0.0, scale)
+        if error > INT4_LOSSLESS_STEPS:
             return None
         return cls(q.view(rows, cols), scale.view(rows, -1), kernel)
 
