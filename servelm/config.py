@@ -86,9 +86,10 @@ class EngineArgs:
             "--kernels",
             default="auto",
             choices=["auto", "torch"],
-            help="auto: on the CPU, decode attention and the fused norm / rotary / SiLU layers "
-            "run in servelm's C kernels (built with the system C compiler on first use, then "
-            "cached), torch where they cannot be built; torch: torch ops only, as on CUDA",
+            help="auto: on the CPU, decode attention, the fused norm / rotary / SiLU layers and "
+            "the int4 / Q8_0 matmuls of decode steps run in servelm's C kernels (built with the "
+            "system C compiler on first use, then cached), torch where they cannot be built; "
+            "torch: torch ops only, as on CUDA",
         )
         g.add_argument("--max-model-len", type=int, default=None)
         g.add_argument("--max-num-seqs", type=int, default=64)

@@ -54,6 +54,7 @@ def _compiler_with_version() -> tuple[list[str], str] | None:
     return cc, subprocess.run([*cc, "--version"], capture_output=True, text=True).stdout
 
 
+@cache
 def _cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -104,7 +105,8 @@ def build(source: Path, extra_flags: tuple[str, ...] = ()) -> Path | None:
 def build_all() -> list[Path]:
     """Every kernel servelm ships, built at once (one compiler per source, side by side): the
     engine calls this before loading any of them, so a first start on a new machine waits for
-    the slowest source, not for their sum (2.6 s instead of 5.3 s here)."""
+    the slowest source, not for their sum (measured here: 2.9 s, against 2.2 + 0.4 + 2.6 s
+    compiled one by one)."""
     with ThreadPoolExecutor(max_workers=len(SOURCES)) as pool:
         return [path for path in pool.map(build, SOURCES) if path is not None]
 

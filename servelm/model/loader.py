@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from servelm.kernels.quant_matmul import QuantMatmul
 from servelm.model.layers.embedding import Embedding
 from servelm.model.layers.linear import (
     INT4_LOSSLESS_STEPS,
@@ -169,15 +170,16 @@ def build_model(
     device: torch.device,
     max_positions: int,
     quantization: str = "none",
-    int4_kernel=None,
+    quant_kernel: QuantMatmul | None = None,
 ):
     """Construct the model without initialising weights, then fill it from the checkpoint.
 
     `quantization`: "none"; "int4", every projection the CPU int4 kernel takes also gets a
     4-bit copy (rounded to the nearest: lossy unless the weights are 4-bit already); "auto",
     int4 only where that loses nothing, i.e. the checkpoint's projection weights are 4-bit.
-    The model's `int4_layers` says how many projections got one; `int4_kernel` (servelm's C
-    `QuantMatmul`, or None for torch's kernel) is the code that multiplies by them.
+    The model's `int4_layers` says how many projections got one; `quant_kernel` (servelm's C
+    `QuantMatmul`, or None for torch's kernel) is the code that multiplies by them, and by an
+    exact Q8_0 copy of the logits head where the checkpoint's head is one.
     """
     from servelm.model.layers.rotary import RotaryEmbedding
     from servelm.model.llama import LlamaForCausalLM
@@ -205,10 +207,10 @@ def build_model(
     model.int4_layers = 0
     if int4:
         lossless_only = quantization == "auto"
-        model.int4_layers = quantize_linears_int4(model, dtype, lossless_only, int4_kernel)
-        if int4_kernel is not None and model.int4_layers:
+        model.int4_layers = quantize_linears_int4(model, dtype, lossless_only, quant_kernel)
+        if quant_kernel is not None and model.int4_layers:
             # A Q4_1 GGUF's head is Q8_0 (llama.cpp's convention): served from those values.
-            model.head_q8 = Q8Weight.exact(model.head_weight, int4_kernel)
+            model.head_q8 = Q8Weight.exact(model.head_weight, quant_kernel)
         model.to(dtype)
     # Counted before repacking, which frees the plain copies of packed weights.
     quantized = [m.int4 for m in model.modules() if isinstance(m, Linear) and m.int4 is not None]

@@ -99,10 +99,10 @@ class ModelRunner:
             build_all()  # side by side, before any is loaded: a first start compiles them
             if time.perf_counter() - t0 > 0.5:
                 logger.info("C kernels built in %.2f s", time.perf_counter() - t0)
-        self.int4_kernel = QuantMatmul.load() if self.use_c_kernels else None
+        self.quant_kernel = QuantMatmul.load() if self.use_c_kernels else None
         t0 = time.perf_counter()
         self.model = build_model(
-            model_dir, spec, self.dtype, self.device, max_model_len, quantization, self.int4_kernel
+            model_dir, spec, self.dtype, self.device, max_model_len, quantization, self.quant_kernel
         )
         self.weight_bytes = self.model.weight_bytes
         self.int4_layers = self.model.int4_layers
@@ -158,7 +158,7 @@ class ModelRunner:
         layers = "C cpu_ops" if self.model.cpu_ops else "torch ops"
         summary = f"decode attention: {attention}; norm, rotary, SiLU: {layers}"
         if self.int4_layers:
-            int4 = "C q4_matmul" if self.int4_kernel else "torch _weight_int4pack_mm"
+            int4 = "C q4_matmul" if self.quant_kernel else "torch _weight_int4pack_mm"
             summary += f"; int4 projections: {int4}"
         if self.model.head_q8 is not None:
             summary += "; logits head: C q8_matmul (Q8_0)"
