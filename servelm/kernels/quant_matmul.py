@@ -41,11 +41,11 @@ def _per_block(values: torch.Tensor) -> torch.Tensor:
 
 class QuantMatmul:
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fns = {}
+        self.fns = {}
         for kind in ("q4", "q8"):
             fn = getattr(lib, f"{kind}_matmul_bf16")
             fn.argtypes, fn.restype = [_ptr, _ptr, _ptr, _i64, _i64, _i64], None
-            self._fns[kind] = fn
+            self.fns[kind] = fn
 
     @classmethod
     def load(cls, extra_flags: tuple[str, ...] = ()) -> QuantMatmul | None:
@@ -100,5 +100,5 @@ class QuantMatmul:
                 f"{rows} rows, shape {tuple(packed.shape)}"
             )
         y = torch.empty(B, rows, dtype=torch.bfloat16)
-        self._fns[kind](x.data_ptr(), packed.data_ptr(), y.data_ptr(), B, rows, K)
+        self.fns[kind](x.data_ptr(), packed.data_ptr(), y.data_ptr(), B, rows, K)
         return y

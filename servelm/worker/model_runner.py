@@ -24,6 +24,7 @@ from servelm.kernels.quant_matmul import QuantMatmul
 from servelm.model.config import ModelSpec
 from servelm.model.loader import build_model
 from servelm.worker.attention import TorchPagedAttention
+from servelm.worker.decode_stack import DecodeStack
 from servelm.worker.sampler import SamplingBatch, sample
 
 logger = logging.getLogger(__name__)
@@ -109,6 +110,7 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - t0
         self.model.use_cpu_ops(CpuOps.load() if self.use_c_kernels else None)
         self.attn: TorchPagedAttention | None = None
+        self.decode_stack: DecodeStack | None = None  # set with the KV cache
         self.generators: dict[str, torch.Generator] = {}
 
     # -- KV cache -------------------------------------------------------------------------
@@ -148,6 +150,7 @@ class ModelRunner:
         self.attn = TorchPagedAttention(
             caches, self.spec.head_dim**-0.5, self.block_size, decode_kernel=kernel
         )
+        self.decode_stack = DecodeStack.build(self.model, self.attn)
         self.num_blocks = num_blocks
 
     @property
@@ -162,6 +165,9 @@ class ModelRunner:
             summary += f"; int4 projections: {int4}"
         if self.model.head_q8 is not None:
             summary += "; logits head: C q8_matmul (Q8_0)"
+        if self.decode_stack is not None:
+            rows = self.decode_stack.max_rows
+            summary += f"; decode steps of <= {rows} tokens: all layers in one C call"
         return summary
 
     def _dummy_forward(self, num_tokens: int) -> None:
@@ -218,7 +224,9 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long, device=device)
         pos = torch.tensor(positions, dtype=torch.long, device=device)
         with torch.inference_mode():
-            hidden = self.model(input_ids, pos, self.attn)
+            hidden = self.decode_stack and self.decode_stack(input_ids, pos)
+            if hidden is None:
+                hidden = self.model(input_ids, pos, self.attn)
             if not sampled:
                 return ModelRunnerOutput({})
             logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=device)])

@@ -153,6 +153,7 @@ def test_every_kernel_builds_side_by_side_into_the_cache(tmp_path, monkeypatch):
     built = build.build_all()
     assert sorted(p.name.split("-")[0] for p in built) == [
         "cpu_ops",
+        "decode_stack",
         "paged_decode",
         "quant_matmul",
     ]

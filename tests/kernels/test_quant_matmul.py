@@ -12,7 +12,14 @@ import torch
 
 from servelm.kernels.build import compiler
 from servelm.kernels.quant_matmul import QuantMatmul
-from servelm.model.layers.linear import INT4_MAX_ROWS, Int4Weight, LogitsHead, Q8Weight
+from servelm.model.layers.linear import (
+    C_INT4_MAX_ROWS,
+    INT4_MAX_ROWS,
+    Int4Weight,
+    Linear,
+    LogitsHead,
+    Q8Weight,
+)
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no C compiler on this machine")
 
@@ -96,6 +103,18 @@ def test_scales_beyond_float16_fall_back_to_torchs_kernel(kernel):
     w = torch.randn(16, 32) * 1e6  # steps of ~1e5 are fine, lows of -2e6 are not float16
     weight = Int4Weight(w, torch.bfloat16, kernel)
     assert weight.kernel is None
+    assert weight.max_rows == INT4_MAX_ROWS  # torch's kernel: its own cut
+
+
+def test_a_linear_reads_the_c_kernels_int4_copy_up_to_its_cut(kernel):
+    q, scale, low, w = q4_weight(32, 64, seed=5)
+    layer = Linear(64, 32, bias=False)
+    layer.weight = torch.nn.Parameter(torch.zeros(32, 64, dtype=torch.bfloat16), False)
+    layer.int4 = Int4Weight(w.float(), torch.bfloat16, kernel)  # differs from the zero weight
+    assert layer.int4.max_rows == C_INT4_MAX_ROWS > INT4_MAX_ROWS
+    for rows in (1, C_INT4_MAX_ROWS, C_INT4_MAX_ROWS + 1):
+        x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        assert layer(x).any() == (rows <= C_INT4_MAX_ROWS)
 
 
 def test_refuses_inputs_that_do_not_fit_the_packed_weight(kernel):

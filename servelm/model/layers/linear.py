@@ -46,9 +46,12 @@ INT4_GROUP = 32
 # All 120 matmuls of the default model's layers, bf16 packed vs torch's int4 kernel, measured
 # on this project's 2-core CPU: 17.4 vs 4.4 ms at 1 row, 16.4 vs 7.5 at 4, 16.6 vs 14.0 at 8,
 # 15.6 vs 19.3 at 12, 16.9 vs 23.8 at 16. An int4 kernel unpacks every weight for each block of
-# rows, so it wins where reading the weight is the whole cost and loses where arithmetic is;
-# servelm's C kernel is about 2x torch's at 1 row and about even with it at 4 to 8.
+# rows, so it wins where reading the weight is the whole cost and loses where arithmetic is.
 INT4_MAX_ROWS = 8
+# The same cut for servelm's C kernel, about 2x torch's at 1 row. Whole decode steps of the
+# default model (decode_stack.c, int4 at up to 32 rows against bf16 above 8), in ms: 30 vs 41
+# at 12 requests, 37 vs 42 at 16, 62 vs 54 at 24, 76 vs 56 at 32.
+C_INT4_MAX_ROWS = 16
 # A weight whose values all lie on their group's 4-bit grid (up to float rounding) loses
 # nothing in int4; the distance is measured in grid steps (RTN quantization's worst is 0.5).
 INT4_LOSSLESS_STEPS = 1e-3
@@ -104,6 +107,7 @@ class Int4Weight:
         q, self.error = _on_grid(groups, low, step)
         q = q.clamp_(0, 15).view(rows, cols)
         self.rows, self.kernel = rows, kernel
+        self.max_rows = INT4_MAX_ROWS if kernel is None else C_INT4_MAX_ROWS
         if kernel is not None:
             self.packed = kernel.pack_q4(q, step.view(rows, -1), low.view(rows, -1))
             self.nbytes = self.packed.nbytes
@@ -169,7 +173,7 @@ class Linear(nn.Linear):
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int4 is not None and x.shape[0] <= INT4_MAX_ROWS:
+        if self.int4 is not None and x.shape[0] <= self.int4.max_rows:
             out = self.int4(x)
             return out if self.bias is None else out.add_(self.bias)
         if self.packed is not None:

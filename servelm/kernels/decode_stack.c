@@ -1,0 +1,98 @@
+/* A decode step's whole layer stack in one call: the same kernels, in the same order, that
+ * LlamaDecoderLayer.forward calls one by one from Python.
+ *
+ * At one token per request a layer's C work takes ~100 us, and the ~10 Python calls around it
+ * (module dispatch, argument checks, output allocation, ctypes) cost about as much again. This
+ * loop calls the kernels directly, through pointers to the functions the other libraries
+ * export (cpu_ops.c, quant_matmul.c, paged_decode.c), so each of them stays the only copy of
+ * its code and the results are bit for bit those of the Python path. Per layer, for B rows:
+ *
+ *   h = norm(x += delta)                    add_rms_norm   (no add before the first layer)
+ *   qkv = h Wqkv^T;  rotate q and k         q4_matmul, rotary
+ *   a = attention(q; store k, v at slots)   paged_decode
+ *   delta = a Wo^T;  h = norm(x += delta)   q4_matmul, add_rms_norm
+ *   delta = silu(h Wg^T) * (h Wu^T) Wd^T    q4_matmul, silu_and_mul, q4_matmul
+ *
+ * and after the last layer out = norm(x += delta). Tensors are bfloat16, row-major.
+ */
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef void (*norm_fn)(void *x, const void *delta, const void *w, void *out, int64_t T,
+                        int64_t H, float eps);
+typedef void (*rotary_fn)(void *x, int64_t row_stride, int64_t T, int64_t H, int64_t D,
+                          const void *cos, const void *sin);
+typedef void (*silu_fn)(const void *gate_up, void *out, int64_t T, int64_t I);
+typedef void (*matmul_fn)(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t B, int64_t N,
+                          int64_t K);
+typedef void (*attention_fn)(const void *q, int64_t q_stride, const void *k, int64_t k_stride,
+                             const void *v, int64_t v_stride, void *k_cache, void *v_cache,
+                             const int64_t *slots, const int64_t *block_tables,
+                             int64_t max_blocks, const int64_t *context_lens, int64_t B,
+                             int64_t Hq, int64_t Hkv, int64_t block_size, int64_t max_len,
+                             float scale, void *out);
+
+/* Fixed for the life of the model (mirrored by ctypes Structures in decode_stack.py). */
+struct kernels {
+    norm_fn norm;
+    rotary_fn rotary;
+    silu_fn silu;
+    matmul_fn q4;
+    attention_fn attention;
+};
+
+struct shape {
+    int64_t hidden, heads, kv_heads, head_dim, intermediate, block_size;
+    float eps, scale;
+};
+
+struct layer {
+    const void *input_norm, *post_norm;          /* [hidden] */
+    const uint8_t *qkv, *o, *gate_up, *down;     /* q4-packed weights */
+    void *k_cache, *v_cache;                     /* [slots, kv_heads, head_dim] */
+};
+
+/* This step's batch: B decode tokens, their rotary rows and where their K/V go and lie. */
+struct step {
+    int64_t B;
+    const void *cos, *sin;                       /* [B, head_dim] */
+    const int64_t *slots, *block_tables, *context_lens;
+    int64_t max_blocks, max_len;
+};
+
+/* Scratch rows, each sized for B: h [B, hidden], qkv [B, (heads + 2 kv_heads) head_dim],
+ * attn [B, heads head_dim], delta [B, hidden], gate_up [B, 2 intermediate], act [B, intermediate]. */
+struct scratch {
+    void *h, *qkv, *attn, *delta, *gate_up, *act;
+};
+
+/* x [B, hidden]: the token embeddings, updated in place into the residual stream;
+ * out [B, hidden]: the final norm's output (what the logits head reads). */
+void decode_stack_bf16(const struct kernels *k, const struct shape *s, const struct layer *layers,
+                       int64_t num_layers, const void *final_norm, const struct step *st,
+                       const struct scratch *buf, void *x, void *out)
+{
+    const int64_t B = st->B, H = s->hidden, D = s->head_dim, Hq = s->heads, Hkv = s->kv_heads;
+    const int64_t I = s->intermediate, q_size = Hq * D, kv_size = Hkv * D;
+    const int64_t qkv_row = q_size + 2 * kv_size; /* elements between two tokens' q, k or v */
+    uint16_t *qkv = buf->qkv;
+    const void *delta = NULL;
+    for (int64_t l = 0; l < num_layers; l++) {
+        const struct layer *ly = &layers[l];
+        k->norm(x, delta, ly->input_norm, buf->h, B, H, s->eps);
+        k->q4(buf->h, ly->qkv, qkv, B, qkv_row, H);
+        k->rotary(qkv, qkv_row, B, Hq + Hkv, D, st->cos, st->sin);
+        k->attention(qkv, qkv_row, qkv + q_size, qkv_row, qkv + q_size + kv_size, qkv_row,
+                     ly->k_cache, ly->v_cache, st->slots, st->block_tables, st->max_blocks,
+                     st->context_lens, B, Hq, Hkv, s->block_size, st->max_len, s->scale,
+                     buf->attn);
+        k->q4(buf->attn, ly->o, buf->delta, B, H, q_size);
+        k->norm(x, buf->delta, ly->post_norm, buf->h, B, H, s->eps);
+        k->q4(buf->h, ly->gate_up, buf->gate_up, B, 2 * I, H);
+        k->silu(buf->gate_up, buf->act, B, I);
+        k->q4(buf->act, ly->down, buf->delta, B, H, I);
+        delta = buf->delta;
+    }
+    k->norm(x, delta, final_norm, out, B, H, s->eps);
+}

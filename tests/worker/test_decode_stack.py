@@ -1,0 +1,112 @@
+"""The decode stack (all layers in one C call) gives what the Python layers give, bit for bit.
+
+The tiny model in bfloat16 with int4 weights (`quantization="int4"`) runs every piece of a layer
+in C on the CPU, so its small decode steps take the stack; each test compares with the same
+engine's Python path (`decode_stack = None`), which the golden tests hold to transformers.
+"""
+
+import pytest
+import torch
+
+from servelm import LLM, SamplingParams
+from servelm.kernels.build import compiler
+from servelm.model.layers.linear import C_INT4_MAX_ROWS
+
+pytestmark = pytest.mark.skipif(compiler() is None, reason="the C kernels need a C compiler")
+
+
+def int4_llm(model_dir, **kw) -> LLM:
+    return LLM(str(model_dir), dtype="bfloat16", quantization="int4", kv_cache_memory="4MiB",
+               device="cpu", **kw)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    # No prefix caching: a second run of the same prompts would start from cached blocks and
+    # compute the rest in other batch shapes, which round differently in bfloat16.
+    return int4_llm(tiny_model_dir, enable_prefix_caching=False)
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 380, (5 + 13 * i,), generator=g).tolist() for i in range(n)]
+
+
+def test_it_is_built_and_named(llm):
+    runner = llm.engine.executor
+    assert runner.decode_stack is not None
+    assert runner.decode_stack.max_rows == C_INT4_MAX_ROWS
+    assert f"decode steps of <= {C_INT4_MAX_ROWS} tokens: all layers in one C call" in (
+        runner.kernel_summary
+    )
+
+
+def test_one_step_gives_the_python_layers_hidden_states_bit_for_bit(llm):
+    runner = llm.engine.executor
+    model, attn, stack = runner.model, runner.attn, runner.decode_stack
+    # Three requests with 20, 7 and 33 tokens cached (blocks of 16), one new token each.
+    seqs = [(20, 1, [3, 4]), (7, 1, [5]), (33, 1, [6, 7, 8])]
+    ids = torch.tensor([11, 12, 13])
+    pos = torch.tensor([20, 7, 33])
+    for layer_k, layer_v in attn.kv_caches:  # some history to attend over
+        layer_k.normal_()
+        layer_v.normal_()
+    with torch.inference_mode():
+        attn.plan(seqs, torch.device("cpu"), torch.bfloat16)
+        expected = model(ids, pos, attn)  # stores this step's K/V, then attends
+        stored = [(k.clone(), v.clone()) for k, v in attn.kv_caches]
+        for k, v in attn.kv_caches:  # forget the stored K/V: the stack must write them itself
+            k[attn.meta.slot_mapping] = 0
+            v[attn.meta.slot_mapping] = 0
+        got = stack(ids, pos)
+    assert got is not None
+    assert torch.equal(got, expected)
+    for (k, v), (k0, v0) in zip(attn.kv_caches, stored, strict=True):
+        assert torch.equal(k, k0) and torch.equal(v, v0)
+
+
+@pytest.mark.parametrize("batch", [1, 3, C_INT4_MAX_ROWS, C_INT4_MAX_ROWS + 3])
+def test_generation_is_the_same_with_and_without_it(llm, batch):
+    # batch > C_INT4_MAX_ROWS: the first steps are too big for the stack and fall back, the last
+    # ones (as requests finish at different lengths) take it again.
+    runner, stack = llm.engine.executor, llm.engine.executor.decode_stack
+    reqs = prompts(batch, seed=batch)
+    params = [SamplingParams(temperature=0, max_tokens=8 + 3 * i, logprobs=2) for i in range(batch)]
+    with_stack = llm.generate(reqs, params)
+    runner.decode_stack = None
+    try:
+        without = llm.generate(reqs, params)
+    finally:
+        runner.decode_stack = stack
+    for a, b in zip(with_stack, without, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+    llm.engine.check_integrity()
+    assert llm.engine.scheduler.kv.usage() == 0.0
+
+
+def test_steps_it_does_not_take(llm):
+    runner = llm.engine.executor
+    stack, attn = runner.decode_stack, runner.attn
+    with torch.inference_mode():
+        # a prefill (no tokens cached yet)
+        attn.plan([(0, 4, [1])], torch.device("cpu"), torch.bfloat16)
+        assert stack(torch.tensor([5, 6, 7, 8]), torch.arange(4)) is None
+        # one more decode token than the int4 weights serve
+        n = C_INT4_MAX_ROWS + 1
+        attn.plan([(3, 1, [i]) for i in range(n)], torch.device("cpu"), torch.bfloat16)
+        assert stack(torch.full((n,), 5), torch.full((n,), 3)) is None
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"dtype": "bfloat16"},  # random weights: auto keeps them bf16, no int4 matmuls
+        {"dtype": "bfloat16", "quantization": "int4", "kernels": "torch"},
+        {"dtype": "float32"},
+    ],
+)
+def test_not_built_unless_every_layer_runs_in_c(tiny_model_dir, settings):
+    llm = LLM(str(tiny_model_dir), kv_cache_memory="4MiB", device="cpu", **settings)
+    assert llm.engine.executor.decode_stack is None
+    assert "one C call" not in llm.engine.executor.kernel_summary
