@@ -236,9 +236,8 @@ def _profile_from_args(args: argparse.Namespace, console: Console) -> str | None
         cal.profile_file.write(args.profile_out)
         console.print(
             f"fitted {p.peak_flops / 1e9:.1f} GFLOP/s, {_bandwidth(p.mem_bandwidth)}, "
-            f"{p.step_overhead_s * 1e3:.1f} ms per step (+{p.prefill_step_overhead_s * 1e3:.1f} "
-            f"with a prefill), {p.per_request_s * 1e3:.2f} ms per request, "
-            f"{p.frontend_latency_s * 1e3:.1f} ms outside steps; held-out errors "
+            f"{p.step_overhead_s * 1e3:.1f} ms per step, {p.per_request_s * 1e3:.2f} ms per "
+            f"request, {p.frontend_latency_s * 1e3:.1f} ms outside steps; held-out errors "
             + _errors(cal.held_out_errors)
             + f"; wrote {args.profile_out}",
             highlight=False,

@@ -2,12 +2,11 @@
 
 The roofline prices a step as
 
-    t = max(a x FLOPs, b x bytes) + c + d x requests + e x [prompt tokens in the step]
+    t = max(a x FLOPs, b x bytes) + c + d x requests      a = 1/FLOP/s, b = 1/(bytes/s)
 
-(a = 1/FLOP/s, b = 1/(bytes/s); e: the fixed cost only steps with a prefill pay), which is
-linear in (a, b, c, d, e) once each point's bound (compute or memory) is fixed. The fit
+which is linear in (a, b, c, d) once each point's bound (compute or memory) is fixed. The fit
 alternates: assign each point the bound the current estimate gives it, solve the weighted
-nonnegative least squares for (a, b, c, d, e), repeat until the assignment stops changing. Weights
+nonnegative least squares for (a, b, c, d), repeat until the assignment stops changing. Weights
 are 1/t by default, so the error minimised is relative (a 50 ms step matters as much as a 2 s
 one: right for a few hand-picked shapes); a server's trace of a thousand steps is fitted on
 seconds instead, so that their sum, a simulated run's duration, comes out right.
@@ -60,16 +59,15 @@ def nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def _terms(points: Sequence[TimedStep], cost: ModelCost) -> tuple[np.ndarray, ...]:
-    flops, nbytes, reqs, prefills, secs = [], [], [], [], []
+    flops, nbytes, reqs, secs = [], [], [], []
     for p in points:
         s = p.step
         c = price(s, _UNIT, cost)
         flops.append(c.flops)
         nbytes.append(c.bytes)
         reqs.append(s.num_requests)
-        prefills.append(1.0 if s.prefill_tokens else 0.0)
         secs.append(p.seconds)
-    return tuple(np.asarray(v, dtype=float) for v in (flops, nbytes, reqs, prefills, secs))
+    return tuple(np.asarray(v, dtype=float) for v in (flops, nbytes, reqs, secs))
 
 
 def fit_profile(
@@ -81,21 +79,21 @@ def fit_profile(
     """The measured profile whose roofline best matches `points`: least squares on relative
     errors (each step counts alike), or with `relative=False` on seconds (each second counts
     alike, so the summed time of many steps comes out right)."""
-    if len(points) < 5:
-        raise ValueError(f"need at least 5 timed steps to fit 5 terms, got {len(points)}")
-    flops, nbytes, reqs, prefills, t = _terms(points, cost)
+    if len(points) < 4:
+        raise ValueError(f"need at least 4 timed steps to fit 4 terms, got {len(points)}")
+    flops, nbytes, reqs, t = _terms(points, cost)
     w = 1.0 / t if relative else np.full_like(t, 1.0 / np.median(t))
     ones = np.ones_like(t)
 
     def solve(compute: np.ndarray) -> np.ndarray:
-        a = np.column_stack([flops * compute, nbytes * ~compute, ones, reqs, prefills])
-        return nnls(a * w[:, None], t * w)
+        a = np.column_stack([flops * compute, nbytes * ~compute, ones, reqs]) * w[:, None]
+        return nnls(a, t * w)
 
     def error(x: np.ndarray) -> float:  # what the weighted least squares minimises
-        pred = np.maximum(x[0] * flops, x[1] * nbytes) + x[2] + x[3] * reqs + x[4] * prefills
+        pred = np.maximum(x[0] * flops, x[1] * nbytes) + x[2] + x[3] * reqs
         return float(np.sqrt(np.mean(((pred - t) * w) ** 2)))
 
-    additive = nnls(np.column_stack([flops, nbytes, ones, reqs, prefills]) * w[:, None], t * w)
+    additive = nnls(np.column_stack([flops, nbytes, ones, reqs]) * w[:, None], t * w)
     starts = [additive[0] * flops >= additive[1] * nbytes, np.ones(len(t), bool)]
     starts.append(np.zeros(len(t), bool))
     best, best_err = additive, np.inf
@@ -110,14 +108,13 @@ def fit_profile(
         err = error(x)
         if err < best_err:
             best, best_err = x, err
-    a, b, c, d, e = (float(v) for v in best)
+    a, b, c, d = (float(v) for v in best)
     return measured_profile(
         flops=1.0 / a if a > 0 else NEVER_BINDS,
         bandwidth=1.0 / b if b > 0 else NEVER_BINDS,
         step_overhead_s=c,
         name=name,
         per_request_s=d,
-        prefill_step_overhead_s=e,
     )
 
 

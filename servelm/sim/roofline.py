@@ -7,7 +7,6 @@ one-token decodes). Its time is
           + attention FLOPs / (peak_flops x attention_efficiency),
         bytes / (mem_bandwidth x bandwidth_efficiency))
     + tensor-parallel all-reduce time + step_overhead_s + per_request_s x requests
-    + prefill_step_overhead_s if the step computes prompt tokens
 
 where bytes = the weights, streamed once per step whatever the batch size, plus the KV
 cache of every token the step's requests attend to, plus the KV written for new tokens.
@@ -41,10 +40,6 @@ rates are already achieved rates, so its efficiencies are 1 (attention included:
 prices all FLOPs at one rate). `per_request_s` is host work that
 grows with the batch (per-sequence input building, attention set-up, sampling); it is 0 for the
 GPU profiles (a few microseconds there) and fitted for a CPU by `servelm.sim.calibrate`.
-`prefill_step_overhead_s` is host time only steps with prompt tokens pay: an engine that runs
-decode-only batches in one captured or compiled call (CUDA graphs in vLLM; servelm's C decode
-stack on a CPU) and steps with a prefill op by op pays its per-op cost only in the latter.
-It is 0 for the GPU profiles and fitted for a CPU.
 """
 
 from __future__ import annotations
@@ -76,8 +71,6 @@ class DeviceProfile:
     per_request_s: float = 0.0  # extra seconds per scheduled request in a step (host work)
     # fraction of peak_flops the attention kernels sustain (0-1]; None: compute_efficiency
     attention_efficiency: float | None = None
-    # extra fixed seconds of a step that computes prompt tokens (decode-only steps skip it)
-    prefill_step_overhead_s: float = 0.0
     # seconds a request spends outside the engine's steps before the client sees a token
     # (HTTP, tokenizing, IPC both ways, detokenizing, streaming): added to TTFT and e2e
     frontend_latency_s: float = 0.0
@@ -121,22 +114,12 @@ def measured_profile(
     step_overhead_s: float = 0.0,
     name: str = "cpu",
     per_request_s: float = 0.0,
-    prefill_step_overhead_s: float = 0.0,
 ) -> DeviceProfile:
     """A profile from measured (achieved) FLOP/s and bytes/s, e.g. a CPU after calibration."""
-    if flops <= 0 or bandwidth <= 0 or min(step_overhead_s, per_request_s) < 0:
-        raise ValueError("measured flops and bandwidth must be positive, overheads non-negative")
-    if prefill_step_overhead_s < 0:
+    if flops <= 0 or bandwidth <= 0 or step_overhead_s < 0 or per_request_s < 0:
         raise ValueError("measured flops and bandwidth must be positive, overheads non-negative")
     return DeviceProfile(
-        name,
-        flops,
-        bandwidth,
-        1.0,
-        1.0,
-        step_overhead_s,
-        per_request_s=per_request_s,
-        prefill_step_overhead_s=prefill_step_overhead_s,
+        name, flops, bandwidth, 1.0, 1.0, step_overhead_s, per_request_s=per_request_s
     )
 
 
@@ -243,8 +226,6 @@ def step_cost(
     compute_s += attention_flops / profile.effective_attention_flops()
     memory_s = nbytes / profile.effective_bandwidth()
     overhead = profile.step_overhead_s
-    if prefill_tokens:
-        overhead += profile.prefill_step_overhead_s
     if profile.per_request_s:
         if num_requests is None:  # decodes are one request each; assume one prefill request
             num_requests = decode_tokens + (1 if prefill_tokens else 0)
