@@ -90,7 +90,7 @@ class DecodeStack:
             "gate_up": 2 * spec.intermediate_size,
             "act": spec.intermediate_size,
         }
-        self._scratch: dict[int, tuple[list[torch.Tensor], _Scratch]] = {}
+        self._scratch: dict[int, tuple[dict[str, torch.Tensor], _Scratch]] = {}
 
     @classmethod
     def build(cls, model, attn) -> DecodeStack | None:
@@ -102,7 +102,7 @@ class DecodeStack:
             return None
         if model.rope.cos.dtype != torch.bfloat16:
             return None
-        layers, quant, max_rows = [], None, None
+        layers, quant, max_rows = [], None, []
         for layer, (k_cache, v_cache) in zip(model.layers, attn.kv_caches, strict=True):
             mats = [
                 layer.self_attn.qkv_proj,
@@ -116,7 +116,7 @@ class DecodeStack:
             if any(w.dtype != torch.bfloat16 or not w.is_contiguous() for w in norms):
                 return None
             quant = mats[0].int4.kernel
-            max_rows = min(m.int4.max_rows for m in mats)
+            max_rows += [m.int4.max_rows for m in mats]
             layers.append(
                 _Layer(
                     *(w.data_ptr() for w in norms),
@@ -139,7 +139,7 @@ class DecodeStack:
             _address(quant.fns["q4"]),
             _address(decode.fn),
         )
-        return cls(fn, model, attn, kernels, layers, max_rows)
+        return cls(fn, model, attn, kernels, layers, min(max_rows))
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         meta = self.attn.meta
