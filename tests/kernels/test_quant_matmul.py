@@ -14,6 +14,7 @@ from servelm.kernels.build import compiler
 from servelm.kernels.quant_matmul import QuantMatmul
 from servelm.model.layers.linear import (
     C_INT4_MAX_ROWS,
+    HEAD_Q8_MAX_ROWS,
     INT4_MAX_ROWS,
     Int4Weight,
     Linear,
@@ -174,10 +175,10 @@ def test_logits_head_reads_the_q8_copy_for_decode_sized_inputs(kernel):
     q, scale, w = q8_weight(64, 96, seed=9)
     # a head whose bf16 weight differs from its Q8 copy shows which one a call read
     head = LogitsHead(torch.zeros(64, 96, dtype=torch.bfloat16), Q8Weight(q, scale, kernel))
-    for rows in (1, INT4_MAX_ROWS, INT4_MAX_ROWS + 1):
+    for rows in (1, HEAD_Q8_MAX_ROWS, HEAD_Q8_MAX_ROWS + 1):
         x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).bfloat16()
         got = head(x)
-        if rows <= INT4_MAX_ROWS:
+        if rows <= HEAD_Q8_MAX_ROWS:
             assert_rounded_once(got, x.double() @ w.T)
         else:
             assert not got.any()
