@@ -15,7 +15,9 @@ them), so the split matters for token counts in reports, not for time.
 composition and the wall time of the engine loop's iteration (draining new requests, schedule,
 forward, sample, sending the outputs). `servelm simulate --calibrate-trace FILE` fits a device
 profile to those lines, so the simulator learns what a step costs inside a loaded server,
-where the API process shares the machine with the engine.
+where the API process shares the machine with the engine. A trace opens with one
+`{"engine": {...}}` line: what the fit must know of the engine that ran the steps (how many
+decode tokens its decode stack takes, `decode_stack_max_tokens`).
 """
 
 from __future__ import annotations
@@ -91,11 +93,16 @@ class StepRecorder:
 
 
 class StepTraceWriter:
-    """Appends `{"time", "seconds", <composition>}` lines to a file, one per step."""
+    """Appends `{"time", "seconds", <composition>}` lines to a file, one per step, after an
+    `{"engine": engine}` line when `engine` is given."""
 
-    def __init__(self, path: str | Path, recorder: StepRecorder) -> None:
+    def __init__(
+        self, path: str | Path, recorder: StepRecorder, engine: dict[str, Any] | None = None
+    ) -> None:
         self.recorder = recorder
         self.file: IO[str] = Path(path).open("a", buffering=1)  # line-buffered: survives a kill
+        if engine is not None:
+            self.file.write(json.dumps({"engine": engine}) + "\n")
 
     def write(self, seconds: float) -> None:
         line = {"time": round(time.time(), 4), "seconds": round(seconds, 7)}
@@ -106,12 +113,11 @@ class StepTraceWriter:
 
 
 def read_step_trace(path: str | Path) -> list[tuple[StepComposition, float]]:
-    """(composition, seconds) of every complete line of a trace written by `StepTraceWriter`."""
+    """(composition, seconds) of every complete step line of a trace written by
+    `StepTraceWriter` (engine lines: `read_trace_engine`)."""
     steps = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:  # a line cut short by a kill
+    for number, row in _rows(path):
+        if isinstance(row, dict) and "engine" in row:
             continue
         try:
             seconds = float(row.pop("seconds"))
@@ -120,3 +126,25 @@ def read_step_trace(path: str | Path) -> list[tuple[StepComposition, float]]:
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{path}, line {number}: not a step trace line ({exc})") from exc
     return steps
+
+
+def read_trace_engine(path: str | Path) -> dict[str, Any]:
+    """What the trace's engine line says (a trace appended to by several servers: the
+    last), `{}` for a trace without one."""
+    engine: dict[str, Any] = {}
+    for number, row in _rows(path):
+        if isinstance(row, dict) and "engine" in row:
+            if not isinstance(row["engine"], dict):
+                raise ValueError(f"{path}, line {number}: the engine line is not an object")
+            engine = row["engine"]
+    return engine
+
+
+def _rows(path: str | Path) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed JSON) of every complete line; a line cut short by a kill is
+    skipped."""
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        try:
+            yield number, json.loads(line)
+        except json.JSONDecodeError:
+            continue

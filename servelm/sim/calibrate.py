@@ -31,7 +31,12 @@ from servelm.config import EngineArgs
 from servelm.engine.core import EngineCore
 from servelm.engine.request import Request
 from servelm.engine.sampling_params import SamplingParams
-from servelm.engine.step_trace import StepComposition, StepRecorder, read_step_trace
+from servelm.engine.step_trace import (
+    StepComposition,
+    StepRecorder,
+    read_step_trace,
+    read_trace_engine,
+)
 from servelm.planner.shapes import shape_from_folder
 from servelm.sim.config import SimConfig, device_profile
 from servelm.sim.fit import TimedStep, fit_profile, relative_errors
@@ -43,6 +48,9 @@ from servelm.store.fetch import resolve_model_dir
 LISTED_POINTS = 40  # a profile file lists each timed step only up to this many
 
 # (kind, size, context): prefill size = prompt tokens; decode size = batch, context = prompt.
+# With a decode stack (decode-only steps of up to 16 tokens on the default model) each path
+# gets its own fitted shapes, and held-out ones inside their range: the prefills and decodes of
+# 20-32 requests run on the Python layers, the decodes of 1-16 on the stack.
 FIT_SHAPES = [
     ("prefill", 64, 0),
     ("decode", 1, 128),
@@ -50,12 +58,17 @@ FIT_SHAPES = [
     ("decode", 32, 64),
     ("prefill", 256, 0),
     ("decode", 8, 256),
+    ("decode", 2, 256),
+    ("decode", 16, 128),
+    ("decode", 20, 128),
+    ("decode", 6, 64),
 ]
 HELD_OUT_SHAPES = [
     ("prefill", 512, 0),
     ("decode", 4, 128),
     ("prefill", 128, 0),
-    ("decode", 16, 64),
+    ("decode", 12, 64),
+    ("decode", 24, 96),
 ]
 
 
@@ -163,6 +176,7 @@ def calibrate(
     llm = LLM(model, **engine_kwargs)
     shape = shape_from_folder(llm.info.model_dir)
     cost = ModelCost.from_shape(shape)
+    stack = getattr(llm.engine.executor, "decode_stack_max_tokens", 0)
     bench = _Bench(llm.engine, shape.vocab_size, seed, clock, torch.get_num_threads())
     bench.warm_up()
     fit_plan = list(fit_shapes or FIT_SHAPES)
@@ -185,9 +199,8 @@ def calibrate(
     held = [best[i] for i, (_, fit) in enumerate(plan) if not fit]
     report = {"rounds": done, "clock": clock, "torch_threads": bench.threads,
               "timed_wall_s": bench.wall_s, "timed_cpu_s": bench.cpu_s}  # fmt: skip
-    return _fit(
-        fitted, held, cost, f"cpu fitted on {shape.name}", str(llm.info.model_dir), report, t0
-    )
+    name = f"cpu fitted on {shape.name}"
+    return _fit(fitted, held, cost, name, str(llm.info.model_dir), report, t0, stack=stack)
 
 
 def calibrate_from_trace(
@@ -206,6 +219,9 @@ def calibrate_from_trace(
     shape = shape_from_folder(model_dir)
     paths = [traces] if isinstance(traces, str | Path) else list(traces)
     steps = [TimedStep(step, s) for path in paths for step, s in read_step_trace(path)]
+    stacks = {read_trace_engine(path).get("decode_stack_max_tokens", 0) for path in paths}
+    if len(stacks) > 1:
+        raise ValueError(f"the traces come from engines with different decode stacks: {stacks}")
     held = steps[hold_out_every - 1 :: hold_out_every]
     fitted = [p for i, p in enumerate(steps) if (i + 1) % hold_out_every]
     report = {"traces": [str(p) for p in paths], "steps": len(steps), "clock": "wall (server loop)"}
@@ -213,7 +229,9 @@ def calibrate_from_trace(
     name = f"cpu fitted on {shape.name} (server trace)"
     # Least squares on seconds: a simulated run's time is the sum of its steps, so the many
     # short decode steps and the few long prefills should add up to what was traced.
-    return _fit(fitted, held, cost, name, str(model_dir), report, t0, relative=False)
+    return _fit(
+        fitted, held, cost, name, str(model_dir), report, t0, relative=False, stack=stacks.pop()
+    )
 
 
 def fit_frontend_latency(
@@ -262,8 +280,9 @@ def _fit(
     report: dict[str, Any],
     t0: float,
     relative: bool = True,
+    stack: int = 0,
 ) -> Calibration:
-    profile = fit_profile(fitted, cost, name=name, relative=relative)
+    profile = fit_profile(fitted, cost, name, relative, decode_stack_max_tokens=stack)
     errors = relative_errors(profile, cost, held)
     fit_errors = relative_errors(profile, cost, fitted)
     report = {

@@ -31,6 +31,7 @@ from servelm.planner.shapes import KV_BYTES, WEIGHT_BYTES, ShapeError
 from servelm.sim.config import POLICIES, SimConfig, resolve
 from servelm.sim.fit import NEVER_BINDS
 from servelm.sim.profiles import load_profile
+from servelm.sim.roofline import DeviceProfile
 from servelm.sim.sweep import replicas_for_rate, run_sweep, search_capacity
 
 DEFAULT_MODEL = "llama-3.1-8b"
@@ -234,12 +235,13 @@ def _profile_from_args(args: argparse.Namespace, console: Console) -> str | None
             p = replace(p, frontend_latency_s=calib.fit_frontend_latency(config, benches))
             cal.profile_file.profile = p
         cal.profile_file.write(args.profile_out)
+        stack = ""
+        if p.decode_stack is not None:
+            stack = f"; decode stack (decode steps of <= {p.decode_stack_max_tokens} tokens): "
+            stack += _rates(p.decode_stack)
         console.print(
-            f"fitted {p.peak_flops / 1e9:.1f} GFLOP/s, {_bandwidth(p.mem_bandwidth)}, "
-            f"{p.step_overhead_s * 1e3:.1f} ms per step, {p.per_request_s * 1e3:.2f} ms per "
-            f"request, {p.frontend_latency_s * 1e3:.1f} ms outside steps; held-out errors "
-            + _errors(cal.held_out_errors)
-            + f"; wrote {args.profile_out}",
+            f"fitted {_rates(p)}, {p.frontend_latency_s * 1e3:.1f} ms outside steps{stack}; "
+            f"held-out errors {_errors(cal.held_out_errors)}; wrote {args.profile_out}",
             highlight=False,
         )
         args.loaded_profile = p
@@ -249,6 +251,17 @@ def _profile_from_args(args: argparse.Namespace, console: Console) -> str | None
         args.loaded_profile = loaded.profile
         return loaded.model
     return None
+
+
+def _rates(p: DeviceProfile) -> str:
+    return (
+        f"{_flops(p.peak_flops)}, {_bandwidth(p.mem_bandwidth)}, "
+        f"{p.step_overhead_s * 1e3:.1f} ms per step, {p.per_request_s * 1e3:.2f} ms per request"
+    )
+
+
+def _flops(rate: float) -> str:
+    return "no compute bound" if rate >= NEVER_BINDS else f"{rate / 1e9:.1f} GFLOP/s"
 
 
 def _bandwidth(rate: float) -> str:

@@ -15,7 +15,7 @@ gets `servelm serve`'s defaults, read from `servelm.config.EngineArgs`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from servelm.bench.stats import SLO
@@ -113,7 +113,7 @@ class SimConfig:
 
 
 def profile_dict(profile: DeviceProfile) -> dict[str, Any]:
-    return dict(profile.__dict__)
+    return asdict(profile)  # a decode-stack profile nests as a dict
 
 
 @dataclass(frozen=True)

@@ -13,19 +13,22 @@ seconds instead, so that their sum, a simulated run's duration, comes out right.
 Starting points: the additive model (a FLOPs + b bytes), all compute-bound, all memory-bound;
 the best final fit wins. FLOPs and bytes come from `roofline.step_cost` itself, so the fit and
 the simulator can never disagree on what a step costs.
+
+An engine with a decode stack (`decode_stack_max_tokens` > 0) runs two code paths with their
+own costs; the steps of each are fitted apart, and the stack's profile nests in the other's.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from servelm.engine.step_trace import StepComposition
 from servelm.sim.executor import price
-from servelm.sim.roofline import DeviceProfile, ModelCost, measured_profile
+from servelm.sim.roofline import DeviceProfile, ModelCost, measured_profile, on_decode_stack
 
 _UNIT = measured_profile(1.0, 1.0)  # with unit rates, compute_s = FLOPs and memory_s = bytes
 NEVER_BINDS = 1e30  # the rate of a term the fit found never binds
@@ -75,10 +78,34 @@ def fit_profile(
     cost: ModelCost,
     name: str = "cpu (fitted)",
     relative: bool = True,
+    decode_stack_max_tokens: int = 0,
 ) -> DeviceProfile:
     """The measured profile whose roofline best matches `points`: least squares on relative
     errors (each step counts alike), or with `relative=False` on seconds (each second counts
-    alike, so the summed time of many steps comes out right)."""
+    alike, so the summed time of many steps comes out right).
+
+    With `decode_stack_max_tokens` > 0 the engine's decode-stack steps (decode-only, at most
+    that many tokens) get a profile of their own, fitted to them alone, nested in the profile
+    of the other steps; each path needs 4 timed steps."""
+    if decode_stack_max_tokens <= 0:
+        return _fit_one(points, cost, name, relative)
+    stack, other = [], []
+    for p in points:
+        on = on_decode_stack(p.step.prefill_tokens, p.step.decode_tokens, decode_stack_max_tokens)
+        (stack if on else other).append(p)
+    for path, pts in (("decode-stack", stack), ("other", other)):
+        if len(pts) < 4:
+            raise ValueError(f"need at least 4 timed {path} steps to fit 4 terms, got {len(pts)}")
+    return replace(
+        _fit_one(other, cost, name, relative),
+        decode_stack=_fit_one(stack, cost, f"{name}, decode stack", relative),
+        decode_stack_max_tokens=decode_stack_max_tokens,
+    )
+
+
+def _fit_one(
+    points: Sequence[TimedStep], cost: ModelCost, name: str, relative: bool
+) -> DeviceProfile:
     if len(points) < 4:
         raise ValueError(f"need at least 4 timed steps to fit 4 terms, got {len(points)}")
     flops, nbytes, reqs, t = _terms(points, cost)

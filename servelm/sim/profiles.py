@@ -47,11 +47,20 @@ def load_profile(path: str | Path) -> ProfileFile:
     data = json.loads(Path(path).read_text())
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
         raise ValueError(f"{path}: not a {SCHEMA} file")
-    known = {f.name for f in fields(DeviceProfile)}
-    raw = data.get("profile") or {}
+    profile = profile_from_dict(data.get("profile") or {}, path)
+    return ProfileFile(profile, data.get("model"), data.get("fit") or {})
+
+
+def profile_from_dict(raw: dict[str, Any], path: str | Path = "profile") -> DeviceProfile:
+    """A DeviceProfile from its `asdict` form (unknown keys ignored, a nested decode stack too)."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: a profile must be a JSON object")
     missing = {"name", "peak_flops", "mem_bandwidth"} - raw.keys()
     if missing:
         raise ValueError(f"{path}: profile lacks {sorted(missing)}")
+    known = {f.name for f in fields(DeviceProfile)}
+    values = {k: v for k, v in raw.items() if k in known}
+    if values.get("decode_stack") is not None:
+        values["decode_stack"] = profile_from_dict(values["decode_stack"], f"{path} (decode_stack)")
     defaults = {"compute_efficiency": 1.0, "bandwidth_efficiency": 1.0, "step_overhead_s": 0.0}
-    profile = DeviceProfile(**{**defaults, **{k: v for k, v in raw.items() if k in known}})
-    return ProfileFile(profile, data.get("model"), data.get("fit") or {})
+    return DeviceProfile(**{**defaults, **values})

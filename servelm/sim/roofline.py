@@ -15,7 +15,8 @@ FLOPs = 2 x matmul params per new token (LM head only for tokens that get sample
 Activations are ignored: small next to weights and KV at serving batch sizes.
 
 Invariants: every figure on a ModelCost is per GPU (one TP rank); `step_time` is
-monotonic in every token count; an empty step costs nothing.
+monotonic in every token count within one path (a profile's own steps, or its decode
+stack's); an empty step costs nothing.
 
 The built-in GPU profiles take datasheet peaks from the planner's GPU catalog and one
 set of default efficiencies, chosen from what serving engines sustain, never fitted to
@@ -40,6 +41,12 @@ rates are already achieved rates, so its efficiencies are 1 (attention included:
 prices all FLOPs at one rate). `per_request_s` is host work that
 grows with the batch (per-sequence input building, attention set-up, sampling); it is 0 for the
 GPU profiles (a few microseconds there) and fitted for a CPU by `servelm.sim.calibrate`.
+
+Two cost curves on one device: servelm's CPU engine runs a step in which every request decodes
+one token, up to `decode_stack_max_tokens` of them, through its decode stack (all layers in one
+C call, `worker/decode_stack.py`), and every other step through the Python layers. A profile
+fitted to such an engine carries a second profile, `decode_stack`, that prices those steps;
+`profile_for_step` picks. The GPU profiles have none.
 """
 
 from __future__ import annotations
@@ -74,6 +81,10 @@ class DeviceProfile:
     # seconds a request spends outside the engine's steps before the client sees a token
     # (HTTP, tokenizing, IPC both ways, detokenizing, streaming): added to TTFT and e2e
     frontend_latency_s: float = 0.0
+    # the engine's second path: decode-only steps of at most this many tokens cost what
+    # `decode_stack` says (see the module docstring); None / 0: one path for every step
+    decode_stack: DeviceProfile | None = None
+    decode_stack_max_tokens: int = 0
 
     def effective_flops(self) -> float:
         return self.peak_flops * self.compute_efficiency
@@ -88,6 +99,21 @@ class DeviceProfile:
 
     def effective_bandwidth(self) -> float:
         return self.mem_bandwidth * self.bandwidth_efficiency
+
+    def profile_for_step(self, prefill_tokens: int, decode_tokens: int) -> DeviceProfile:
+        """The profile that prices a step: `decode_stack` for the steps the engine runs
+        through it (no prompt tokens, 1 .. decode_stack_max_tokens decodes), else this one."""
+        stack = self.decode_stack
+        if stack is not None and on_decode_stack(
+            prefill_tokens, decode_tokens, self.decode_stack_max_tokens
+        ):
+            return stack
+        return self
+
+
+def on_decode_stack(prefill_tokens: int, decode_tokens: int, max_tokens: int) -> bool:
+    """Whether an engine whose decode stack takes up to `max_tokens` runs this step on it."""
+    return prefill_tokens == 0 and 0 < decode_tokens <= max_tokens
 
 
 def gpu_profile(gpu: str | GpuSpec, dtype: str = "bf16") -> DeviceProfile:
@@ -201,6 +227,7 @@ def step_cost(
     new_tokens = prefill_tokens + decode_tokens
     if new_tokens == 0:
         return StepCost(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    profile = profile.profile_for_step(prefill_tokens, decode_tokens)
     if attention_pairs is None:  # exact for decode-only steps and one fresh prefill
         attention_pairs = (
             context_tokens_read + decode_tokens + prefill_tokens * (prefill_tokens + 1) // 2

@@ -154,6 +154,11 @@ class ModelRunner:
         self.num_blocks = num_blocks
 
     @property
+    def decode_stack_max_tokens(self) -> int:
+        """Decode-only steps of up to this many tokens run on the decode stack (0: none do)."""
+        return self.decode_stack.max_rows if self.decode_stack is not None else 0
+
+    @property
     def kernel_summary(self) -> str:
         """Which code runs decode attention and the element-wise layers."""
         kernel = self.attn.decode_kernel if self.attn else None
@@ -166,7 +171,7 @@ class ModelRunner:
         if self.model.head_q8 is not None:
             summary += "; logits head: C q8_matmul (Q8_0)"
         if self.decode_stack is not None:
-            rows = self.decode_stack.max_rows
+            rows = self.decode_stack_max_tokens
             summary += f"; decode steps of <= {rows} tokens: all layers in one C call"
         return summary
 

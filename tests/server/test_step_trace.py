@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from servelm.engine.step_trace import read_step_trace
+from servelm.engine.step_trace import read_step_trace, read_trace_engine
 from tests.live_server import LiveServer
 
 PROMPTS = [[5 + i for i in range(n)] for n in (20, 33, 50)]
@@ -48,3 +48,5 @@ def test_trace_counts_every_token_the_server_computed(traced):
     first_decode = compositions[1]
     assert first_decode.context_tokens_read == len(PROMPTS[0])
     assert all(0 < seconds < 10 for _, seconds in steps)
+    # the engine line: the tiny model runs in float32, which has no decode stack
+    assert read_trace_engine(path) == {"decode_stack_max_tokens": 0}

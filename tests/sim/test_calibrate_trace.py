@@ -15,6 +15,7 @@ from servelm.engine.step_trace import (
     StepRecorder,
     StepTraceWriter,
     read_step_trace,
+    read_trace_engine,
 )
 from servelm.sim.calibrate import calibrate_from_trace, fit_frontend_latency
 from servelm.sim.config import SimConfig
@@ -144,3 +145,43 @@ def test_cli_refuses_what_is_not_a_trace_or_a_bench_result(tmp_path, tiny_model_
         assert main(["simulate", *args, *model]) == 2
         assert message in " ".join(capsys.readouterr().out.split())
     assert not (tmp_path / "p.json").exists()
+
+
+STACK = measured_profile(2e11, 2e10, step_overhead_s=0.006, per_request_s=0.0025)
+
+
+def test_a_trace_from_an_engine_with_a_decode_stack_fits_both_paths(tmp_path, tiny_model_dir):
+    from servelm.planner.shapes import shape_from_folder
+    from servelm.sim.roofline import ModelCost
+
+    cost = ModelCost.from_shape(shape_from_folder(tiny_model_dir))
+    truth = replace(TRUE, decode_stack=STACK, decode_stack_max_tokens=16)
+    steps = [StepComposition(n, 0, 0, n * (n + 1) // 2, 1, 1) for n in (64, 256, 1024, 2048)]
+    steps += [StepComposition(0, b, b * 200, b * 201, b, b) for b in range(1, 33)]
+    steps += [StepComposition(300, b, b * 100, 300 * 301 // 2 + b * 101, b, b + 1) for b in (3, 9)]
+    path = tmp_path / "steps.jsonl"
+    with path.open("w") as f:  # what `servelm serve --step-trace` writes: the engine line first
+        f.write(json.dumps({"engine": {"decode_stack_max_tokens": 16}}) + "\n")
+        for step in steps:
+            f.write(json.dumps({"seconds": price(step, truth, cost).total_s, **step.__dict__}))
+            f.write("\n")
+    assert read_trace_engine(path) == {"decode_stack_max_tokens": 16}
+    assert len(read_step_trace(path)) == len(steps)
+    cal = calibrate_from_trace(path, str(tiny_model_dir))
+    fitted = cal.profile_file.profile
+    assert fitted.decode_stack_max_tokens == 16
+    assert fitted.step_overhead_s == pytest.approx(TRUE.step_overhead_s, rel=0.02)
+    for b in (1, 5, 16, 17, 40):  # each path prices its steps (40: beyond the trace)
+        step = StepComposition(0, b, b * 200, b * 201, b, b)
+        assert price(step, fitted, cost).total_s == pytest.approx(
+            price(step, truth, cost).total_s, rel=0.01
+        )
+    assert max(abs(e) for e in cal.held_out_errors) < 0.01
+    # the nested profile survives the JSON file
+    cal.profile_file.write(tmp_path / "cpu.json")
+    assert load_profile(tmp_path / "cpu.json").profile == fitted
+    # traces from engines with different stacks do not make one profile
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"engine": {"decode_stack_max_tokens": 8}}) + "\n")
+    with pytest.raises(ValueError, match="different decode stacks"):
+        calibrate_from_trace([path, other], str(tiny_model_dir))

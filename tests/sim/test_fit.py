@@ -1,5 +1,7 @@
 """Profile fitting: exact NNLS, and recovering a known profile from its own step times."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -45,3 +47,26 @@ def test_noisy_points_fit_within_noise():
     assert max(abs(e) for e in relative_errors(fitted, COST, points)) < 0.12
     with pytest.raises(ValueError):
         fit_profile(points[:3], COST)
+
+
+def test_two_paths_are_fitted_apart_and_nested():
+    # An engine with a decode stack for decode-only steps of <= 16 tokens: two cost curves.
+    layers = measured_profile(80e9, 3e9, step_overhead_s=0.02, per_request_s=0.004)
+    stack = measured_profile(1e30, 20e9, step_overhead_s=0.003, per_request_s=0.002)
+    truth = replace(layers, decode_stack=stack, decode_stack_max_tokens=16)
+    points = [TimedStep(s, predict(truth, COST, s)) for s in steps()]
+    points += [
+        TimedStep(s, predict(truth, COST, s))
+        for s in (StepComposition(0, b, b * 300, b * 301, b, b) for b in (2, 6, 12))
+    ]
+    fitted = fit_profile(points, COST, decode_stack_max_tokens=16)
+    assert fitted.decode_stack_max_tokens == 16
+    assert fitted.step_overhead_s == pytest.approx(0.02, rel=1e-3)
+    assert fitted.decode_stack.step_overhead_s == pytest.approx(0.003, rel=1e-3)
+    assert fitted.decode_stack.per_request_s == pytest.approx(0.002, rel=1e-3)
+    assert max(abs(e) for e in relative_errors(fitted, COST, points)) < 1e-6
+    # one curve through both paths cannot do that
+    one = fit_profile(points, COST)
+    assert max(abs(e) for e in relative_errors(one, COST, points)) > 0.2
+    with pytest.raises(ValueError, match="decode-stack steps"):
+        fit_profile(points, COST, decode_stack_max_tokens=1)  # only one step of 1 token

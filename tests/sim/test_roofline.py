@@ -111,3 +111,18 @@ def test_attention_runs_at_its_own_efficiency():
     assert step_cost(cpu, LLAMA_8B, 6000, 0, 0).compute_s == pytest.approx(
         step_cost(cpu, LLAMA_8B, 6000, 0, 0).flops / 1e12
     )
+
+
+def test_a_decode_stack_prices_the_steps_the_engine_runs_on_it():
+    layers = measured_profile(flops=4e11, bandwidth=1e12, step_overhead_s=0.030)
+    stack = measured_profile(flops=4e11, bandwidth=1e12, step_overhead_s=0.004)
+    cpu = dataclasses.replace(layers, decode_stack=stack, decode_stack_max_tokens=16)
+    tiny = ModelCost.from_shape(get_model("smollm2-135m"))
+    for prefill, decode, path in [(0, 1, stack), (0, 16, stack), (0, 17, layers),
+                                  (1, 3, layers), (64, 0, layers)]:  # fmt: skip
+        assert cpu.profile_for_step(prefill, decode) is (stack if path is stack else cpu)
+        assert step_time(cpu, tiny, prefill, decode, 100) == step_time(
+            path, tiny, prefill, decode, 100
+        )
+    assert step_time(cpu, tiny, 0, 16, 100) < step_time(cpu, tiny, 0, 17, 100) - 0.025
+    assert layers.profile_for_step(0, 1) is layers  # no stack: one path

@@ -35,7 +35,7 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 def test_it_is_built_and_named(llm):
     runner = llm.engine.executor
     assert runner.decode_stack is not None
-    assert runner.decode_stack.max_rows == C_INT4_MAX_ROWS
+    assert runner.decode_stack.max_rows == runner.decode_stack_max_tokens == C_INT4_MAX_ROWS
     assert f"decode steps of <= {C_INT4_MAX_ROWS} tokens: all layers in one C call" in (
         runner.kernel_summary
     )
