@@ -84,6 +84,14 @@ def traced_lines(trace: Path) -> list[str]:
     return text.splitlines(keepends=True)[: text.count("\n")]
 
 
+def trace_since(trace: Path, start: int) -> str:
+    """The trace's lines from line `start` on, after its engine line (the fit reads from it
+    which steps ran on the decode stack)."""
+    lines = traced_lines(trace)
+    engine = [line for line in lines[:start] if line.startswith('{"engine"')]
+    return "".join(engine[-1:] + lines[start:])
+
+
 def p50(run: dict, metric: str) -> float | None:
     return (run["summary"].get(metric) or {}).get("p50")
 
@@ -165,7 +173,7 @@ def main() -> int:
                             args.calibration_requests, args.seed + 1000 * i)  # fmt: skip
             time.sleep(0.5)  # the engine writes a step's line just after sending its tokens
             steps = out / f"calibration_trace_{i}.jsonl"
-            steps.write_text("".join(traced_lines(trace)[start:]))
+            steps.write_text(trace_since(trace, start))
             return steps, results
 
         def fit(passes: list[tuple[Path, Path]]) -> None:
@@ -208,7 +216,7 @@ def main() -> int:
         bench_json = bench("bench.json", sweep, args.num_requests, args.seed)
         time.sleep(0.5)  # the engine writes a step's line just after sending its tokens
         measured_trace = out / "measured_trace.jsonl"
-        measured_trace.write_text("".join(traced_lines(trace)[start:]))
+        measured_trace.write_text(trace_since(trace, start))
         t_bench = time.perf_counter()
 
         # 2b. calibrate again, after the measured runs, and fit both passes: the machine's
