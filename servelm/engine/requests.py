@@ -6,7 +6,7 @@ import dataclasses
 import time
 
 from servelm.engine.request import Request
-from servelm.engine.sampling_params import SamplingParams
+from servelm.engine.sampling_params import SEED_RANGE, SamplingParams
 from servelm.text.tokenizer import TextTokenizer
 
 
@@ -35,15 +35,18 @@ def child_requests(
     priority: int = 0,
     arrival_time: float | None = None,
 ) -> list[Request]:
-    """One engine request per choice (`n`); choice i of a seeded request uses seed + i."""
+    """One engine request per choice (`n`); choice i of a seeded request uses seed + i (wrapping
+    around within the 64-bit seed range)."""
     arrival = arrival_time or time.time()
     out = []
     for i in range(params.n):
         p = params
         if params.n > 1:
-            p = dataclasses.replace(
-                params, n=1, seed=None if params.seed is None else params.seed + i
-            )
+            seed = params.seed
+            if seed is not None:
+                low, high = SEED_RANGE
+                seed = (seed + i - low) % (high - low + 1) + low
+            p = dataclasses.replace(params, n=1, seed=seed)
         rid = request_id if params.n == 1 else f"{request_id}-{i}"
         out.append(
             Request(rid, list(prompt_token_ids), p, frozenset(eos_token_ids), arrival, priority)

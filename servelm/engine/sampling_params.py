@@ -6,10 +6,13 @@ names the offending parameter.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 MAX_N = 16
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
+SEED_RANGE = (-(2**63), 2**63 - 1)  # a 64-bit seed; choice i of n draws with seed + i
 
 
 class InvalidParamError(ValueError):
@@ -27,7 +30,8 @@ class SamplingParams:
 
     `temperature == 0` means greedy. `top_k <= 0` and `top_p == 1` disable those filters.
     `max_tokens=None` means "until the context is full". `logprobs=k` returns the sampled
-    token's logprob plus the k most likely alternatives at each step.
+    token's logprob plus the k most likely alternatives at each step. `logit_bias` adds a value
+    to a token's logit before sampling (token ids below the vocabulary size: the server checks).
     """
 
     n: int = 1
@@ -47,6 +51,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -60,6 +65,19 @@ class SamplingParams:
         return self.temperature < 1e-5
 
     def validate(self) -> None:
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):  # fmt: skip
+            if not math.isfinite(getattr(self, name)):
+                raise InvalidParamError(name, f"{name} must be a finite number.")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise InvalidParamError("seed", "seed must fit in a signed 64-bit integer.")
+        for token, bias in self.logit_bias.items():
+            if token < 0 or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise InvalidParamError(
+                    "logit_bias",
+                    f"logit_bias maps token ids (>= 0) to values in [-{MAX_LOGIT_BIAS:g}, "
+                    f"{MAX_LOGIT_BIAS:g}]; got {token}: {bias}.",
+                )
         if not 1 <= self.n <= MAX_N:
             raise InvalidParamError("n", f"n must be between 1 and {MAX_N}, got {self.n}.")
         if self.temperature < 0:

@@ -47,12 +47,19 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
     async def version() -> dict:
         return {"version": servelm.__version__}
 
-    @app.get("/v1/models")
-    async def models() -> ModelList:
-        card = ModelCard(
+    def card() -> ModelCard:
+        return ModelCard(
             id=state.model_name, root=str(state.engine.model_dir), max_model_len=state.max_model_len
         )
-        return ModelList(data=[card])
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[card()])
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> ModelCard:
+        chat.check_model(model)
+        return card()
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request):

@@ -102,9 +102,30 @@ class OpenAIServing:
                 logprobs=logprobs,
                 skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
+                logit_bias=self._logit_bias(req.logit_bias),
             )
         except InvalidParamError as exc:
             raise APIError(400, exc.message, exc.param) from None
+
+    def _logit_bias(self, raw: dict[str, float] | None) -> dict[int, float] | None:
+        """OpenAI's `{"token id": bias}` as {token id: bias}, every id in the vocabulary."""
+        if not raw:
+            return None
+        vocab = self.tokenizer.vocab_size
+        bias = {}
+        for key, value in raw.items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise APIError(
+                    400, f"logit_bias keys must be token ids, got {key!r}.", "logit_bias"
+                ) from None
+            if not 0 <= token < vocab:
+                raise APIError(
+                    400, f"logit_bias token ids must be in [0, {vocab}), got {token}.", "logit_bias"
+                )
+            bias[token] = value
+        return bias
 
     @staticmethod
     def check_logprobs(k: int | None, param: str) -> None:

@@ -22,17 +22,46 @@ from servelm.server.serving import (
 from servelm.server.sse import SSE_HEADERS
 from servelm.text.chat_template import ChatTemplateError
 
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def refuse_unsupported(req: ChatCompletionRequest) -> None:
+    """A 400 for what the request asks and servelm would otherwise quietly not do."""
+    kind = (req.response_format or {}).get("type", "text")
+    if kind != "text":
+        raise APIError(
+            400,
+            f"response_format {kind!r} is not supported: servelm has no guided decoding "
+            "(ask for JSON in the prompt instead).",
+            "response_format",
+        )
+    if req.tool_choice not in (None, "none", "auto"):
+        raise APIError(
+            400,
+            "tool_choice must be 'auto' or 'none': servelm cannot force a tool call.",
+            "tool_choice",
+        )
+    for i, m in enumerate(req.messages):
+        if m.role not in ROLES:
+            roles = ", ".join(ROLES)
+            message = f"messages.{i}.role must be one of {roles}; got {m.role!r}."
+            raise APIError(400, message, "messages")
+        for part in m.content if isinstance(m.content, list) else ():
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type")
+                message = f"messages.{i}.content: only text parts are supported, got {kind!r}."
+                raise APIError(400, message, "messages")
+
 
 class ServingChat(OpenAIServing):
     async def create(self, req: ChatCompletionRequest, raw: Request):
         self.check_model(req.model)
         self.check_logprobs(req.top_logprobs, "top_logprobs")
+        refuse_unsupported(req)
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         for m in messages:  # content parts [{"type": "text", "text": ...}] -> plain text
             if isinstance(m.get("content"), list):
-                m["content"] = "".join(
-                    p.get("text", "") for p in m["content"] if p.get("type") == "text"
-                )
+                m["content"] = "".join(p.get("text", "") for p in m["content"])
         try:
             prompt_ids = self.tokenizer.encode_chat(
                 messages, req.add_generation_prompt, tools=req.tools

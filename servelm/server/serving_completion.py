@@ -52,6 +52,10 @@ class ServingCompletion(OpenAIServing):
     async def create(self, req: CompletionRequest, raw: Request):
         self.check_model(req.model)
         self.check_logprobs(req.logprobs, "logprobs")
+        if req.suffix:
+            raise APIError(400, "suffix is not supported.", "suffix")
+        if req.best_of is not None and req.best_of > req.n:
+            raise APIError(400, "best_of is not supported: ask for n choices instead.", "best_of")
         prompts = self._prompts(req.prompt)
         params = self.sampling_params(req, req.max_tokens, req.logprobs)
         self.check_admission()

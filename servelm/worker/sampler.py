@@ -1,8 +1,8 @@
 """Sampler: one path from logits to next tokens for a whole batch, with per-request settings.
 
 Order of operations (each skipped when no request in the batch uses it):
-  raw logprobs (what `logprobs` reports) -> penalties -> min_tokens masking -> greedy argmax, or
-  temperature -> top-k -> top-p -> min-p -> sample.
+  raw logprobs (what `logprobs` reports) -> penalties -> logit bias -> min_tokens masking ->
+  greedy argmax, or temperature -> top-k -> top-p -> min-p -> sample.
 A request with a seed draws from its own generator, so its tokens do not depend on what else
 is in the batch.
 """
@@ -47,6 +47,18 @@ def apply_penalties(logits: torch.Tensor, reqs: list[ScheduledRequest]) -> torch
     if bool((pres != 0).any() or (freq != 0).any()):
         counts = _token_counts([r.output_token_ids for r in reqs], vocab, device)
         logits = logits - freq[:, None] * counts - pres[:, None] * (counts > 0).float()
+    return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, reqs: list[ScheduledRequest]) -> torch.Tensor:
+    """Adds each request's `logit_bias` values to its row (a copy of `logits`)."""
+    logits = logits.clone()
+    for i, r in enumerate(reqs):
+        bias = r.sampling_params.logit_bias
+        if bias:
+            ids = torch.tensor(list(bias), device=logits.device)
+            values = torch.tensor(list(bias.values()), device=logits.device, dtype=logits.dtype)
+            logits[i].index_add_(0, ids, values)
     return logits
 
 
@@ -97,6 +109,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[list[int], list[
 
     if any(_needs_penalty(r) for r in reqs):
         logits = apply_penalties(logits, reqs)
+    if any(r.sampling_params.logit_bias for r in reqs):
+        logits = apply_logit_bias(logits, reqs)
     if any(len(r.output_token_ids) < r.sampling_params.min_tokens for r in reqs):
         logits = mask_stop_tokens_before_min(logits.clone(), reqs)
 

@@ -27,6 +27,33 @@ def test_models_list(client, tiny_model_dir):
     assert card["max_model_len"] == 512 and card["object"] == "model"
 
 
+def test_model_retrieve(client):
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-17")
+
+
+def test_logit_bias_moves_greedy_choices(client, tiny_model_dir, tokenizer):
+    prompt = [5, 9, 40, 7]
+
+    def greedy(**kw) -> str:
+        out = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0,
+                                        extra_body={"ignore_eos": True}, **kw)  # fmt: skip
+        return out.choices[0].text
+
+    plain = greedy()
+    # +100 on one token outweighs any logit of the model: it is chosen every step
+    assert greedy(logit_bias={"77": 100}) == tokenizer.decode([77] * 4)
+    # -100 on the first greedy token (its id from the offline engine): the answer changes
+    llm = LLM(str(tiny_model_dir), kv_cache_memory="2MiB")
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    offline = llm.generate([prompt], params)[0].outputs[0]
+    assert offline.text == plain
+    first = offline.token_ids[0]
+    assert greedy(logit_bias={str(first): -100}) != plain
+    assert greedy() == plain  # and a later request without a bias is unaffected
+
+
 def test_chat_non_streaming_usage_matches_tokenizer(client, tokenizer):
     r = client.chat.completions.create(
         model="tiny", messages=CHAT, max_tokens=7, temperature=0, extra_body={"ignore_eos": True}

@@ -48,6 +48,54 @@ def test_invalid_values_are_400_naming_the_param(server, body, param):
     still_serving(server)
 
 
+@pytest.mark.parametrize(
+    "path,body,param,says",
+    [
+        ("/completions", {"prompt": "hi", "seed": 2**70}, "seed", "64-bit"),
+        ("/completions", {"prompt": "hi", "logit_bias": {"abc": 5}}, "logit_bias", "'abc'"),
+        ("/completions", {"prompt": "hi", "logit_bias": {"10000000": 5}}, "logit_bias", "[0, "),
+        ("/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
+        ("/completions", {"prompt": "hi", "suffix": "!"}, "suffix", "not supported"),
+        ("/completions", {"prompt": "hi", "best_of": 3}, "best_of", "not supported"),
+        ("/chat/completions", {"messages": MSG, "response_format": {"type": "json_object"}},
+         "response_format", "guided decoding"),
+        ("/chat/completions", {"messages": MSG, "tool_choice": "required"}, "tool_choice", "force"),
+        ("/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages",
+         "'wizard'"),
+        ("/chat/completions",
+         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+         "messages", "'image_url'"),
+    ],
+)  # fmt: skip
+def test_what_servelm_cannot_honour_is_400_not_ignored(server, path, body, param, says):
+    assert says in assert_error(post(server, path, body), 400, param)["message"]
+    still_serving(server)
+
+
+@pytest.mark.parametrize(
+    "raw,param",
+    [
+        (b'{"prompt": "hi", "temperature": NaN}', "temperature"),
+        (b'{"prompt": "hi", "top_p": Infinity}', "top_p"),
+        (b'{"prompt": "hi", "repetition_penalty": NaN}', "repetition_penalty"),
+        (b'{"prompt": "hi", "logit_bias": {"5": NaN}}', "logit_bias"),
+        (b'{"prompt": "\\ud800 and more"}', "prompt"),
+        (b'{"prompt": ["fine", "x\\udfff"]}', "prompt"),
+        (b'{"prompt": "hi", "stop": ["\\ud800"]}', "stop"),
+        (b'{"messages": [{"role": "user", "content": "\\udc00"}]}', "messages"),
+    ],
+)
+def test_non_finite_numbers_and_lone_surrogates_are_400(server, raw, param):
+    # Python's JSON parser takes NaN, Infinity and "\ud800" escapes (no client library sends
+    # them, but any HTTP client can); none may reach the sampler or the tokenizer.
+    path = "/chat/completions" if b"messages" in raw else "/completions"
+    r = httpx.post(server.base_url + path, content=raw, timeout=30,
+                   headers={"content-type": "application/json"})  # fmt: skip
+    err = assert_error(r, 400, param)
+    assert "finite" in err["message"] or "Unicode" in err["message"] or "[-100" in err["message"]
+    still_serving(server)
+
+
 def test_malformed_json_is_400(server):
     r = httpx.post(
         server.base_url + "/chat/completions",

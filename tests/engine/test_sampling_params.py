@@ -1,0 +1,38 @@
+"""SamplingParams validation and the seeds of a request's choices."""
+
+import math
+
+import pytest
+
+from servelm.engine.requests import child_requests
+from servelm.engine.sampling_params import SEED_RANGE, InvalidParamError, SamplingParams
+
+
+@pytest.mark.parametrize(
+    "kw,param",
+    [
+        ({"temperature": math.nan}, "temperature"),
+        ({"temperature": math.inf}, "temperature"),
+        ({"min_p": math.nan}, "min_p"),
+        ({"frequency_penalty": -math.inf}, "frequency_penalty"),
+        ({"repetition_penalty": math.nan}, "repetition_penalty"),
+        ({"seed": 2**63}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"logit_bias": {3: math.nan}}, "logit_bias"),
+        ({"logit_bias": {3: -100.5}}, "logit_bias"),
+    ],
+)
+def test_refused_values_name_their_parameter(kw, param):
+    with pytest.raises(InvalidParamError) as exc:
+        SamplingParams(**kw)
+    assert exc.value.param == param
+
+
+def test_choice_seeds_wrap_within_64_bits():
+    low, high = SEED_RANGE
+    params = SamplingParams(n=3, seed=high, logit_bias={3: 100.0, 4: -100.0})
+    seeds = [r.sampling_params.seed for r in child_requests("r", [1, 2], params, [])]
+    assert seeds == [high, low, low + 1]
+    assert all(r.sampling_params.logit_bias == {3: 100.0, 4: -100.0}
+               for r in child_requests("r", [1, 2], params, []))  # fmt: skip
