@@ -182,6 +182,19 @@ class Router:
                 return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
         return JSONResponse({"object": "list", "data": self.replicas.model_cards()})
 
+    async def model(self, request: Request) -> Response:
+        """GET /v1/models/{model}: that model's card from an available replica, else 404."""
+        response = await self.models(request)
+        if response.status_code != 200:
+            return response
+        name = request.path_params["model"]
+        for card in self.replicas.model_cards():
+            if card.get("id") == name:
+                return JSONResponse(card)
+        return error_response(
+            404, f"The model `{name}` does not exist.", "model", "model_not_found"
+        )
+
     async def health_route(self, _: Request) -> Response:
         if any(r.available for r in self.replicas):
             return Response(status_code=200)
@@ -219,6 +232,7 @@ def build_app(router: Router) -> Starlette:
     routes = [Route(p, router.proxied, methods=["POST"]) for p in PROXIED]
     routes += [
         Route("/v1/models", router.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", router.model, methods=["GET"]),
         Route("/health", router.health_route, methods=["GET"]),
         Route("/metrics", router.metrics_route, methods=["GET"]),
         *admin_routes(router),

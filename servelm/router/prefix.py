@@ -50,7 +50,9 @@ def _content_text(content: Any) -> str:
         return content
     if isinstance(content, list):  # [{"type": "text", "text": ...}, {"type": "image_url", ...}]
         return "".join(
-            p.get("text", "") if p.get("type") == "text" else json.dumps(p, sort_keys=True)
+            p["text"]
+            if p.get("type") == "text" and isinstance(p.get("text"), str)
+            else json.dumps(p, sort_keys=True)
             for p in content
             if isinstance(p, dict)
         )
@@ -59,11 +61,13 @@ def _content_text(content: Any) -> str:
 
 def block_hashes(text: str, block_chars: int, max_blocks: int, seed: str = "") -> list[bytes]:
     """Chained hashes of the first full blocks of `text` (at most `max_blocks`)."""
-    parent = hashlib.blake2b(seed.encode(), digest_size=16).digest()
+    # "surrogatepass": a lone surrogate (valid JSON, invalid Unicode) hashes like any other
+    # character here; the replica answers such a request with its 400
+    parent = hashlib.blake2b(seed.encode("utf-8", "surrogatepass"), digest_size=16).digest()
     out = []
     for i in range(min(len(text) // block_chars, max_blocks)):
         h = hashlib.blake2b(parent, digest_size=16)
-        h.update(text[i * block_chars : (i + 1) * block_chars].encode())
+        h.update(text[i * block_chars : (i + 1) * block_chars].encode("utf-8", "surrogatepass"))
         parent = h.digest()
         out.append(parent)
     return out

@@ -142,3 +142,11 @@ def test_prompt_text_covers_chat_completions_and_token_ids() -> None:
     assert prompt_text({"prompt": [1, 2, 3]}) == "1,2,3,"
     assert estimate_prompt_tokens({"prompt": [1, 2, 3]}) == 3
     assert estimate_prompt_tokens({"prompt": "x" * 40}) == 10
+
+
+def test_odd_bodies_still_get_a_prefix_for_the_replica_to_refuse() -> None:
+    # The router routes; judging the body is the replica's job (a 400 there), so no body may
+    # break the policy: a text part that is not text, a lone surrogate in a long prompt.
+    odd = {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}
+    assert '"text": 5' in prompt_text(odd)
+    assert len(block_hashes("\ud800" + "x" * 300, 128, 64, "m")) == 2

@@ -128,6 +128,9 @@ def test_models_is_the_union_and_unknown_models_are_404(rr: Proc) -> None:
     with pytest.raises(openai.NotFoundError) as exc:
         client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
     assert exc.value.body["code"] == "model_not_found"
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
 
 
 def test_admin_add_drain_remove_and_replicas_file(
