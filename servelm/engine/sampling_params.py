@@ -124,5 +124,7 @@ class SamplingParams:
             raise InvalidParamError(
                 "logprobs", f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}."
             )
+        if any(t < 0 for t in self.stop_token_ids):
+            raise InvalidParamError("stop_token_ids", "stop_token_ids must be token ids (>= 0).")
         if any(not s for s in self.stop):
             raise InvalidParamError("stop", "stop strings must not be empty.")

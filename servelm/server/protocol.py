@@ -1,8 +1,9 @@
 """Request and response bodies of the OpenAI API (pydantic). Unknown fields are accepted and ignored.
 
-Every string of a request body must be valid Unicode: JSON can spell a lone surrogate
-(`"\\ud800"`), which Python keeps in a str but no tokenizer or encoder takes, so a request
-holding one is refused as a whole, naming where it is.
+Every string of a request body must be valid Unicode and every integer must fit in 64 bits:
+JSON can spell a lone surrogate (`"\\ud800"`), which Python keeps in a str but no tokenizer or
+encoder takes, and any integer, which the engine's messages cannot carry. A request holding
+either is refused as a whole, naming where.
 """
 
 from __future__ import annotations
@@ -19,31 +20,36 @@ class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+INT64 = (-(2**63), 2**63 - 1)
+
+
 class RequestBody(OpenAIModel):
-    """A whole request body: refuses one holding text that is not valid Unicode."""
+    """A whole request body: refuses one holding text that is not valid Unicode or an integer
+    beyond 64 bits."""
 
     @model_validator(mode="before")
     @classmethod
-    def _unicode_only(cls, data: Any) -> Any:
-        where = _lone_surrogate(data)
-        if where is not None:
-            path, index = where
-            raise APIError(
-                400,
-                f"{'.'.join(path)} is not valid Unicode text: a lone surrogate at character "
-                f"{index}.",
-                path[0],
-            )
+    def _representable(cls, data: Any) -> Any:
+        found = _unrepresentable(data)
+        if found is not None:
+            path, problem = found
+            raise APIError(400, f"{'.'.join(path)} {problem}.", path[0])
         return data
 
 
-def _lone_surrogate(value: Any, path: tuple[str, ...] = ()) -> tuple[tuple[str, ...], int] | None:
-    """(path, character index) of the first lone surrogate in a parsed JSON value, or None."""
+def _unrepresentable(value: Any, path: tuple[str, ...] = ()) -> tuple[tuple[str, ...], str] | None:
+    """(path, what is wrong) of the first string with a lone surrogate or integer beyond 64
+    bits in a parsed JSON value, or None."""
     if isinstance(value, str):
         try:
             value.encode("utf-8")
         except UnicodeEncodeError as exc:
-            return (path or ("body",)), exc.start
+            problem = f"is not valid Unicode text: a lone surrogate at character {exc.start}"
+            return (path or ("body",)), problem
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        if not INT64[0] <= value <= INT64[1]:
+            return (path or ("body",)), "is out of range: integers must fit in 64 bits"
         return None
     if isinstance(value, dict):
         items: Any = value.items()
@@ -53,8 +59,8 @@ def _lone_surrogate(value: Any, path: tuple[str, ...] = ()) -> tuple[tuple[str, 
         return None
     for key, item in items:
         key_path = (*path, str(key))
-        found = _lone_surrogate(key, key_path) if isinstance(key, str) else None
-        found = found or _lone_surrogate(item, key_path)
+        found = _unrepresentable(key, key_path) if isinstance(key, str) else None
+        found = found or _unrepresentable(item, key_path)
         if found:
             return found
     return None

@@ -51,7 +51,10 @@ def test_invalid_values_are_400_naming_the_param(server, body, param):
 @pytest.mark.parametrize(
     "path,body,param,says",
     [
-        ("/completions", {"prompt": "hi", "seed": 2**70}, "seed", "64-bit"),
+        ("/completions", {"prompt": "hi", "seed": 2**63}, "seed", "64 bits"),
+        ("/completions", {"prompt": "hi", "priority": 2**70}, "priority", "64 bits"),
+        ("/completions", {"prompt": "hi", "max_tokens": 2**64}, "max_tokens", "64 bits"),
+        ("/completions", {"prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids", ">= 0"),
         ("/completions", {"prompt": "hi", "logit_bias": {"abc": 5}}, "logit_bias", "'abc'"),
         ("/completions", {"prompt": "hi", "logit_bias": {"10000000": 5}}, "logit_bias", "[0, "),
         ("/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
@@ -67,7 +70,7 @@ def test_invalid_values_are_400_naming_the_param(server, body, param):
          "messages", "'image_url'"),
     ],
 )  # fmt: skip
-def test_what_servelm_cannot_honour_is_400_not_ignored(server, path, body, param, says):
+def test_what_servelm_cannot_honour_or_carry_is_400(server, path, body, param, says):
     assert says in assert_error(post(server, path, body), 400, param)["message"]
     still_serving(server)
 
