@@ -40,8 +40,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from servelm.store.fetch import ModelSpecError
+
     args = build_parser().parse_args(argv)
-    return int(args._run(args) or 0)
+    try:
+        return int(args._run(args) or 0)
+    except ModelSpecError as exc:  # a bad model path or id: the message says it all
+        print(f"servelm {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -21,6 +21,17 @@ _UNITS = {
 }
 
 
+def port_number(text: str) -> int:
+    """A TCP port for argparse: 0 (any free one) to 65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"not a port: {text!r} (0-65535)")
+    return port
+
+
 def parse_size(text: str | int | None) -> int | None:
     """'4GiB', '512MB', '1e9' or a number of bytes -> bytes."""
     if text is None or isinstance(text, int):

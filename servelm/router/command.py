@@ -10,6 +10,7 @@ import argparse
 import logging
 import os
 
+from servelm.config import port_number
 from servelm.router.config import RouterConfig
 from servelm.router.policies import POLICIES
 
@@ -93,7 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8080)
+    g.add_argument("--port", type=port_number, default=8080)
     g.add_argument(
         "--admin-key",
         default=os.environ.get("SERVELM_ADMIN_KEY"),

@@ -16,7 +16,7 @@ import time
 
 import uvicorn
 
-from servelm.config import EngineArgs
+from servelm.config import EngineArgs, port_number
 
 logger = logging.getLogger("servelm")
 
@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(parser)
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--port", type=port_number, default=8000)
     g.add_argument(
         "--api-key",
         default=os.environ.get("SERVELM_API_KEY"),

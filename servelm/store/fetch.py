@@ -17,6 +17,20 @@ from pathlib import Path
 from servelm.store.default import ensure_default_model
 from servelm.store.paths import default_store_dir
 
+
+class ModelSpecError(ValueError):
+    """A model spec servelm cannot turn into a model folder (the user's to fix: the CLI prints
+    it without a traceback)."""
+
+
+class ModelNotFoundError(ModelSpecError, FileNotFoundError):
+    """A spec that looks like a path names nothing on disk."""
+
+
+class HubUnavailableError(ModelSpecError, ImportError):
+    """A hub id, without the optional huggingface-hub installed."""
+
+
 # Hub ids are "name" or "owner/name" made of letters, digits, "-", "_" and ".".
 _HUB_ID_RE = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*"]
@@ -31,7 +45,7 @@ def _snapshot(repo_id: str, store: Path, revision: str | None) -> Path:
         import huggingface_hub
         from huggingface_hub.utils import RepositoryNotFoundError, RevisionNotFoundError
     except ImportError as exc:
-        raise ImportError(
+        raise HubUnavailableError(
             f"downloading {repo_id!r} from the Hugging Face hub needs the optional "
             "dependency huggingface-hub: pip install 'servelm[hub]'"
         ) from exc
@@ -43,13 +57,15 @@ def _snapshot(repo_id: str, store: Path, revision: str | None) -> Path:
     except (RepositoryNotFoundError, RevisionNotFoundError) as exc:
         where = f" at revision {revision!r}" if revision else ""
         # Gated/private repos raise a subclass of RepositoryNotFoundError: name the class.
-        raise ValueError(
+        raise ModelSpecError(
             f"{repo_id!r}{where} is neither a local path nor a model on the Hugging Face hub "
             f"({type(exc).__name__})"
         ) from exc
     folder = Path(path)
     if not (folder / "config.json").is_file():
-        raise ValueError(f"hub repo {repo_id!r} has no config.json; it is not a transformers model")
+        raise ModelSpecError(
+            f"hub repo {repo_id!r} has no config.json; it is not a transformers model"
+        )
     return folder
 
 
@@ -59,31 +75,31 @@ def resolve_model(
     """Return a local folder holding config.json, weights and tokenizer for `spec`.
 
     `revision` (branch, tag or commit) applies to hub ids only. Raises FileNotFoundError for a
-    path that does not exist, ValueError for something that is not a model, ImportError when a
-    hub id is given without huggingface-hub installed.
+    path that does not exist (`ModelNotFoundError`), `ModelSpecError` (a ValueError) for
+    anything else that is not a model, or a hub id without huggingface-hub installed.
     """
     store = Path(store_dir).expanduser() if store_dir is not None else default_store_dir()
     store = store.absolute()
     if spec is None:
         if revision is not None:
-            raise ValueError("--revision applies to hub ids, not to the default model")
+            raise ModelSpecError("--revision applies to hub ids, not to the default model")
         return ensure_default_model(store)
 
     path = Path(spec).expanduser()
     if path.exists() and revision is not None:
-        raise ValueError(f"--revision applies to hub ids, not to the local path {spec!r}")
+        raise ModelSpecError(f"--revision applies to hub ids, not to the local path {spec!r}")
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise ValueError(f"{path} has no config.json, so it is not a model folder")
+            raise ModelSpecError(f"{path} has no config.json, so it is not a model folder")
         return path.absolute()
     if path.is_file():
         if path.suffix.lower() != ".gguf":
-            raise ValueError(f"{path} is a file but not a .gguf; pass a model folder or a GGUF")
+            raise ModelSpecError(f"{path} is a file but not a .gguf; pass a model folder or a GGUF")
         from servelm.store.gguf_import import import_gguf  # numpy + gguf: only when importing
 
         return import_gguf(path, store / path.stem)
     if not _looks_like_hub_id(spec):
-        raise FileNotFoundError(f"no such model file or folder: {spec}")
+        raise ModelNotFoundError(f"no such model file or folder: {spec}")
     return _snapshot(spec, store, revision)
 
 

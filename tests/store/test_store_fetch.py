@@ -140,3 +140,15 @@ def test_command_reports_errors(tmp_path, capsys):
     captured = capsys.readouterr()
     assert captured.out == ""
     assert "no such model" in captured.err
+
+
+def test_cli_names_a_bad_model_without_a_traceback(tmp_path, capsys):
+    from servelm.cli import main
+
+    assert main(["serve", str(tmp_path / "nope")]) == 2
+    assert "servelm serve: no such model file or folder" in capsys.readouterr().err
+    assert main(["generate", "--model", str(tmp_path), "hi"]) == 2  # a folder, no config.json
+    assert "has no config.json" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:  # argparse: usage and exit status 2
+        main(["serve", "--port", "70000"])
+    assert exc.value.code == 2 and "not a port" in capsys.readouterr().err
