@@ -44,7 +44,10 @@ class ProfileFile:
 
 def load_profile(path: str | Path) -> ProfileFile:
     """Read a profile JSON written by `ProfileFile.write`; ValueError on another kind of file."""
-    data = json.loads(Path(path).read_text())
+    try:
+        data = json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: not a {SCHEMA} file (not JSON: {exc})") from None
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
         raise ValueError(f"{path}: not a {SCHEMA} file")
     profile = profile_from_dict(data.get("profile") or {}, path)

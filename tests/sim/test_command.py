@@ -52,6 +52,9 @@ def test_profile_file_round_trip_and_use(tmp_path, capsys):
     with pytest.raises(ValueError):
         load_profile(bad)
     assert main(["simulate", "--profile", str(bad)]) == 2
+    bad.write_text("not json at all")
+    with pytest.raises(ValueError, match="not JSON"):
+        load_profile(bad)
 
 
 def test_bad_arguments_exit_2():
