@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 MAX_N = 16
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
-SEED_RANGE = (-(2**63), 2**63 - 1)  # a 64-bit seed; choice i of n draws with seed + i
+INT64 = (-(2**63), 2**63 - 1)  # the integers the engine's messages carry (msgpack int64)
+SEED_RANGE = INT64  # choice i of n draws with seed + i, wrapping around within it
 
 
 class InvalidParamError(ValueError):

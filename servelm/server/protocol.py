@@ -13,14 +13,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from servelm.engine.sampling_params import INT64
 from servelm.server.errors import APIError
 
 
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
-
-
-INT64 = (-(2**63), 2**63 - 1)
 
 
 class RequestBody(OpenAIModel):
