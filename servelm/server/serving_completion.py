@@ -17,6 +17,7 @@ from servelm.server.serving import (
     chunk_writer,
     collect,
     new_id,
+    off_loop,
     stream_events,
 )
 from servelm.server.sse import SSE_HEADERS
@@ -25,13 +26,14 @@ MAX_PROMPTS = 64
 
 
 class ServingCompletion(OpenAIServing):
-    def _prompts(self, prompt: Any) -> list[list[int]]:
+    async def _prompts(self, prompt: Any) -> list[list[int]]:
+        encode = self.tokenizer.encode
         if isinstance(prompt, str):
-            prompts = [self.tokenizer.encode(prompt)]
+            prompts = [await off_loop(len(prompt), encode, prompt)]
         elif prompt and all(isinstance(p, int) for p in prompt):
             prompts = [list(prompt)]
         elif prompt and all(isinstance(p, str) for p in prompt):
-            prompts = [self.tokenizer.encode(p) for p in prompt]
+            prompts = [await off_loop(len(p), encode, p) for p in prompt]
         elif prompt and all(isinstance(p, list) for p in prompt):
             prompts = [list(p) for p in prompt]
         else:
@@ -56,7 +58,7 @@ class ServingCompletion(OpenAIServing):
             raise APIError(400, "suffix is not supported.", "suffix")
         if req.best_of is not None and req.best_of > req.n:
             raise APIError(400, "best_of is not supported: ask for n choices instead.", "best_of")
-        prompts = self._prompts(req.prompt)
+        prompts = await self._prompts(req.prompt)
         params = self.sampling_params(req, req.max_tokens, req.logprobs)
         self.check_admission()
         rid = new_id("cmpl")

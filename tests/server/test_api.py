@@ -2,6 +2,7 @@
 
 import asyncio
 
+import httpx
 import openai
 import pytest
 
@@ -25,6 +26,22 @@ def test_models_list(client, tiny_model_dir):
     card = models[0].model_dump()
     assert card["root"] == str(tiny_model_dir) and card["owned_by"] == "servelm"
     assert card["max_model_len"] == 512 and card["object"] == "model"
+
+
+def test_long_prompts_tokenized_off_the_loop_count_the_same(server, client, tokenizer):
+    from servelm.server.serving import THREAD_ENCODE_CHARS
+
+    text = "servelm tokenizes long prompts on a worker thread. " * (THREAD_ENCODE_CHARS // 40)
+    messages = [{"role": "user", "content": text}]
+    ids, chat_ids = tokenizer.encode(text), tokenizer.encode_chat(messages, True)
+    assert len(text) >= THREAD_ENCODE_CHARS
+    counted = httpx.post(server.url + "/tokenize", json={"prompt": text}, timeout=30)
+    assert counted.json()["count"] == len(ids)
+    # longer than this server's 512-token context: the 400 names the count the thread found
+    with pytest.raises(openai.BadRequestError, match=f"has {len(ids)} input tokens"):
+        client.completions.create(model="tiny", prompt=text, max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match=f"has {len(chat_ids)} input tokens"):
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=1)
 
 
 def test_model_retrieve(client):
