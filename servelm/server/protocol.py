@@ -21,6 +21,20 @@ class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+def _numbers_in_range(values: list[Any]) -> bool:
+    """Whether a list holds only numbers (bools, ints, floats) with every int in 64 bits: one
+    min and one max at C speed. False when unsure (strings, lists, dicts, empty): walk it."""
+    if not values or type(values[0]) not in (int, float, bool):
+        return False
+    try:
+        low, high = min(values), max(values)
+    except TypeError:  # something not comparable with a number
+        return False
+    if not isinstance(low, int | float) or not isinstance(high, int | float):
+        return False
+    return INT64[0] <= low and high <= INT64[1]
+
+
 class RequestBody(OpenAIModel):
     """A whole request body: refuses one holding text that is not valid Unicode or an integer
     beyond 64 bits."""
@@ -52,6 +66,8 @@ def _unrepresentable(value: Any, path: tuple[str, ...] = ()) -> tuple[tuple[str,
     if isinstance(value, dict):
         items: Any = value.items()
     elif isinstance(value, list):
+        if _numbers_in_range(value):  # token ids: thousands of them, checked in C
+            return None
         items = enumerate(value)
     else:
         return None

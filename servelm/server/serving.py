@@ -9,9 +9,12 @@ shape of each choice and chunk is left to `serving_chat` / `serving_completion`.
 from __future__ import annotations
 
 import asyncio
+import functools
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,11 +50,29 @@ class ServerState:
 THREAD_ENCODE_CHARS = 8192
 
 
+def _yield_to_the_engine() -> None:
+    """The tokenizer thread runs at SCHED_IDLE (Linux): only on a core nothing else wants. On a
+    small CPU box the engine's OpenMP threads stall at every barrier while any other thread
+    holds a core; a stream's worst token gaps while 130,000-character prompts were tokenized
+    went from p99 91-93 ms to 44-60 ms (2 cores). The cost: under full load a long prompt's
+    tokenizing waits for idle moments (its prefill would wait for the engine anyway)."""
+    if hasattr(os, "SCHED_IDLE"):
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        except OSError:  # not permitted here: stay at normal priority
+            pass
+
+
+_TOKENIZE_POOL = ThreadPoolExecutor(1, "servelm-tokenize", initializer=_yield_to_the_engine)
+
+
 async def off_loop(text_chars: int, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
     """`fn(*args, **kw)`, on a worker thread when it tokenizes `text_chars` or more characters."""
     if text_chars < THREAD_ENCODE_CHARS:
         return fn(*args, **kw)
-    return await asyncio.to_thread(fn, *args, **kw)
+    return await asyncio.get_running_loop().run_in_executor(
+        _TOKENIZE_POOL, functools.partial(fn, *args, **kw)
+    )
 
 
 def message_chars(messages: list[dict[str, Any]]) -> int:
