@@ -63,7 +63,11 @@ def _yield_to_the_engine() -> None:
             pass
 
 
-_TOKENIZE_POOL = ThreadPoolExecutor(1, "servelm-tokenize", initializer=_yield_to_the_engine)
+# One thread on a small box (2 cores here), a few where cores are plenty (a GPU host).
+_TOKENIZE_THREADS = max(1, min(4, (os.cpu_count() or 2) // 2 - 1))
+_TOKENIZE_POOL = ThreadPoolExecutor(
+    _TOKENIZE_THREADS, "servelm-tokenize", initializer=_yield_to_the_engine
+)
 
 
 async def off_loop(text_chars: int, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
