@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # for tests/live_server.py
 
 from servelm.config import EngineArgs  # noqa: E402
-from servelm.engine.step_trace import read_step_trace  # noqa: E402
+from servelm.engine.step_trace import read_step_trace, read_trace_engine  # noqa: E402
 from servelm.planner.shapes import shape_from_folder  # noqa: E402
 from servelm.sim.fit import predict  # noqa: E402
 from servelm.sim.profiles import load_profile  # noqa: E402
@@ -87,9 +87,8 @@ def traced_lines(trace: Path) -> list[str]:
 def trace_since(trace: Path, start: int) -> str:
     """The trace's lines from line `start` on, after its engine line (the fit reads from it
     which steps ran on the decode stack)."""
-    lines = traced_lines(trace)
-    engine = [line for line in lines[:start] if line.startswith('{"engine"')]
-    return "".join(engine[-1:] + lines[start:])
+    engine = json.dumps({"engine": read_trace_engine(trace)}) + "\n"
+    return engine + "".join(traced_lines(trace)[start:])
 
 
 def p50(run: dict, metric: str) -> float | None:

@@ -6,7 +6,7 @@ import dataclasses
 import time
 
 from servelm.engine.request import Request
-from servelm.engine.sampling_params import SEED_RANGE, SamplingParams
+from servelm.engine.sampling_params import INT64, SamplingParams
 from servelm.text.tokenizer import TextTokenizer
 
 
@@ -44,7 +44,7 @@ def child_requests(
         if params.n > 1:
             seed = params.seed
             if seed is not None:
-                low, high = SEED_RANGE
+                low, high = INT64
                 seed = (seed + i - low) % (high - low + 1) + low
             p = dataclasses.replace(params, n=1, seed=seed)
         rid = request_id if params.n == 1 else f"{request_id}-{i}"

@@ -13,7 +13,6 @@ MAX_N = 16
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
 INT64 = (-(2**63), 2**63 - 1)  # the integers the engine's messages carry (msgpack int64)
-SEED_RANGE = INT64  # choice i of n draws with seed + i, wrapping around within it
 
 
 class InvalidParamError(ValueError):
@@ -70,7 +69,7 @@ class SamplingParams:
                      "repetition_penalty"):  # fmt: skip
             if not math.isfinite(getattr(self, name)):
                 raise InvalidParamError(name, f"{name} must be a finite number.")
-        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+        if self.seed is not None and not INT64[0] <= self.seed <= INT64[1]:
             raise InvalidParamError("seed", "seed must fit in a signed 64-bit integer.")
         for token, bias in self.logit_bias.items():
             if token < 0 or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:

@@ -1,8 +1,9 @@
 /* A decode step's whole layer stack in one call: the same kernels, in the same order, that
  * LlamaDecoderLayer.forward calls one by one from Python.
  *
- * At one token per request a layer's C work takes ~100 us, and the ~10 Python calls around it
- * (module dispatch, argument checks, output allocation, ctypes) cost about as much again. This
+ * At one token per request the default model's step took 14.2 ms through the Python layers and
+ * 5.8 ms in this loop: per layer ~190 us of kernels and ~280 us of the ~10 Python calls around
+ * them (module dispatch, argument checks, output allocation, ctypes). This
  * loop calls the kernels directly, through pointers to the functions the other libraries
  * export (cpu_ops.c, quant_matmul.c, paged_decode.c), so each of them stays the only copy of
  * its code and the results are bit for bit those of the Python path. Per layer, for B rows:

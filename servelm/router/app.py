@@ -174,19 +174,24 @@ class Router:
             )
         return key
 
-    async def models(self, request: Request) -> Response:
+    def _refused(self, request: Request) -> Response | None:
+        """The 401 for a request without a valid key, when keys are required; else None."""
         if self.limiter.enabled:
             try:
                 self._authenticate(request)
             except APIError as exc:
                 return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
-        return JSONResponse({"object": "list", "data": self.replicas.model_cards()})
+        return None
+
+    async def models(self, request: Request) -> Response:
+        refused = self._refused(request)
+        return refused or JSONResponse({"object": "list", "data": self.replicas.model_cards()})
 
     async def model(self, request: Request) -> Response:
         """GET /v1/models/{model}: that model's card from an available replica, else 404."""
-        response = await self.models(request)
-        if response.status_code != 200:
-            return response
+        refused = self._refused(request)
+        if refused is not None:
+            return refused
         name = request.path_params["model"]
         for card in self.replicas.model_cards():
             if card.get("id") == name:

@@ -17,7 +17,7 @@ from servelm.server.protocol import (
     ModelList,
     TokenizeRequest,
 )
-from servelm.server.serving import ServerState, message_chars, off_loop
+from servelm.server.serving import ServerState
 from servelm.server.serving_chat import ServingChat
 from servelm.server.serving_completion import ServingCompletion
 
@@ -74,12 +74,9 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
         chat.check_model(req.model)
         if req.messages is not None:
             msgs = [m.model_dump(exclude_none=True) for m in req.messages]
-            chars = message_chars(msgs)
-            ids = await off_loop(chars, tokenizer.encode_chat, msgs, req.add_generation_prompt)
+            ids = await chat.encode_chat(msgs, req.add_generation_prompt)
         elif req.prompt is not None:
-            ids = await off_loop(
-                len(req.prompt), tokenizer.encode, req.prompt, req.add_special_tokens
-            )
+            ids = await chat.encode(req.prompt, req.add_special_tokens)
         else:
             raise APIError(400, "give either prompt or messages", "prompt")
         return JSONResponse(

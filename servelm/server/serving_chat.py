@@ -16,9 +16,7 @@ from servelm.server.serving import (
     cancel_on_disconnect,
     chunk_writer,
     collect,
-    message_chars,
     new_id,
-    off_loop,
     stream_events,
 )
 from servelm.server.sse import SSE_HEADERS
@@ -64,11 +62,9 @@ class ServingChat(OpenAIServing):
         for m in messages:  # content parts [{"type": "text", "text": ...}] -> plain text
             if isinstance(m.get("content"), list):
                 m["content"] = "".join(p.get("text", "") for p in m["content"])
-        encode = self.tokenizer.encode_chat
-        chars = message_chars(messages)
         try:
-            prompt_ids = await off_loop(
-                chars, encode, messages, req.add_generation_prompt, tools=req.tools
+            prompt_ids = await self.encode_chat(
+                messages, req.add_generation_prompt, tools=req.tools
             )
         except ChatTemplateError as exc:
             raise APIError(400, str(exc), "messages") from None

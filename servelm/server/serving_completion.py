@@ -17,7 +17,6 @@ from servelm.server.serving import (
     chunk_writer,
     collect,
     new_id,
-    off_loop,
     stream_events,
 )
 from servelm.server.sse import SSE_HEADERS
@@ -27,13 +26,12 @@ MAX_PROMPTS = 64
 
 class ServingCompletion(OpenAIServing):
     async def _prompts(self, prompt: Any) -> list[list[int]]:
-        encode = self.tokenizer.encode
         if isinstance(prompt, str):
-            prompts = [await off_loop(len(prompt), encode, prompt)]
+            prompts = [await self.encode(prompt)]
         elif prompt and all(isinstance(p, int) for p in prompt):
             prompts = [list(prompt)]
         elif prompt and all(isinstance(p, str) for p in prompt):
-            prompts = [await off_loop(len(p), encode, p) for p in prompt]
+            prompts = [await self.encode(p) for p in prompt]
         elif prompt and all(isinstance(p, list) for p in prompt):
             prompts = [list(p) for p in prompt]
         else:

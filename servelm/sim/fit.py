@@ -93,21 +93,18 @@ def fit_profile(
     for p in points:
         on = on_decode_stack(p.step.prefill_tokens, p.step.decode_tokens, decode_stack_max_tokens)
         (stack if on else other).append(p)
-    for path, pts in (("decode-stack", stack), ("other", other)):
-        if len(pts) < 4:
-            raise ValueError(f"need at least 4 timed {path} steps to fit 4 terms, got {len(pts)}")
     return replace(
-        _fit_one(other, cost, name, relative),
-        decode_stack=_fit_one(stack, cost, f"{name}, decode stack", relative),
+        _fit_one(other, cost, name, relative, "other "),
+        decode_stack=_fit_one(stack, cost, f"{name}, decode stack", relative, "decode-stack "),
         decode_stack_max_tokens=decode_stack_max_tokens,
     )
 
 
 def _fit_one(
-    points: Sequence[TimedStep], cost: ModelCost, name: str, relative: bool
+    points: Sequence[TimedStep], cost: ModelCost, name: str, relative: bool, kind: str = ""
 ) -> DeviceProfile:
     if len(points) < 4:
-        raise ValueError(f"need at least 4 timed steps to fit 4 terms, got {len(points)}")
+        raise ValueError(f"need at least 4 timed {kind}steps to fit 4 terms, got {len(points)}")
     flops, nbytes, reqs, t = _terms(points, cost)
     w = 1.0 / t if relative else np.full_like(t, 1.0 / np.median(t))
     ones = np.ones_like(t)

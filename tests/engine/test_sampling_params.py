@@ -5,7 +5,7 @@ import math
 import pytest
 
 from servelm.engine.requests import child_requests
-from servelm.engine.sampling_params import SEED_RANGE, InvalidParamError, SamplingParams
+from servelm.engine.sampling_params import INT64, InvalidParamError, SamplingParams
 
 
 @pytest.mark.parametrize(
@@ -30,7 +30,7 @@ def test_refused_values_name_their_parameter(kw, param):
 
 
 def test_choice_seeds_wrap_within_64_bits():
-    low, high = SEED_RANGE
+    low, high = INT64
     params = SamplingParams(n=3, seed=high, logit_bias={3: 100.0, 4: -100.0})
     seeds = [r.sampling_params.seed for r in child_requests("r", [1, 2], params, [])]
     assert seeds == [high, low, low + 1]
