@@ -46,6 +46,10 @@ def refuse_unsupported(req: ChatCompletionRequest) -> None:
             roles = ", ".join(ROLES)
             message = f"messages.{i}.role must be one of {roles}; got {m.role!r}."
             raise APIError(400, message, "messages")
+        if m.content is None and not (m.role == "assistant" and getattr(m, "tool_calls", None)):
+            # OpenAI: only an assistant message that makes tool calls may go without content.
+            message = f"messages.{i}.content is required for a {m.role!r} message."
+            raise APIError(400, message, "messages")
         for part in m.content if isinstance(m.content, list) else ():
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
                 kind = part.get("type")
@@ -60,7 +64,8 @@ class ServingChat(OpenAIServing):
         refuse_unsupported(req)
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         for m in messages:  # content parts [{"type": "text", "text": ...}] -> plain text
-            if isinstance(m.get("content"), list):
+            m.setdefault("content", "")  # an assistant's tool calls alone: templates read it
+            if isinstance(m["content"], list):
                 m["content"] = "".join(p.get("text", "") for p in m["content"])
         try:
             prompt_ids = await self.encode_chat(

@@ -81,6 +81,21 @@ def test_chat_non_streaming_usage_matches_tokenizer(client, tokenizer):
     assert r.usage.completion_tokens == 7 and r.usage.total_tokens == r.usage.prompt_tokens + 7
 
 
+def test_chat_history_with_a_tool_call_turn(client, tokenizer):
+    # An assistant turn that only calls a tool has no content (OpenAI sends null); the tool's
+    # answer follows. Both reach the template, the call as an empty assistant turn.
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}
+    history = [
+        *CHAT,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "42"},
+    ]
+    r = client.chat.completions.create(model="tiny", messages=history, max_tokens=3)
+    assert r.choices[0].finish_reason in ("length", "stop")
+    rendered = [*CHAT, {"role": "assistant", "content": ""}, {"role": "tool", "content": "42"}]
+    assert r.usage.prompt_tokens == len(tokenizer.encode_chat(rendered))
+
+
 def test_chat_stream_chunk_order(client, tokenizer):
     stream = client.chat.completions.create(
         model="tiny",

@@ -68,6 +68,9 @@ def test_invalid_values_are_400_naming_the_param(server, body, param):
         ("/chat/completions",
          {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
          "messages", "'image_url'"),
+        ("/chat/completions", {"messages": [{"role": "user"}]}, "messages", "content is required"),
+        ("/chat/completions", {"messages": [{"role": "system", "content": None}, *MSG]},
+         "messages", "messages.0.content is required for a 'system' message"),
     ],
 )  # fmt: skip
 def test_what_servelm_cannot_honour_or_carry_is_400(server, path, body, param, says):
