@@ -19,6 +19,13 @@
  * q8 layout, per block and group: 32 rows of 16 bytes, byte i of row j holding q[j] of the
  * block's row i; then the 16 scales. Each 16 bytes widen to 16 float32 lanes for one FMA.
  *
+ * With AMX (Sapphire Rapids and later) and at least AMX_MIN_B rows of x, q4 goes to the tile
+ * unit instead: the same 128 + q words, unpacked as above, are exactly a tile of 16 columns of
+ * bfloat16 pairs (the low nibbles of chunk c are pair row c, the high ones pair row c + 8), so
+ * one tile product per group gives sum_j (128 + q_j) x_j for every row of x and of the block at
+ * once; the group's scale and low are then applied as on the vector path. At 16 rows of x a
+ * layer's four matmuls take ~210 us instead of ~630 (4 rows: about even).
+ *
  * Products are exact, sums float32 (as torch's int4 kernel does it); y is rounded to bfloat16
  * once. Without AVX-512, plain C computes the same sums.
  */
@@ -35,6 +42,8 @@
 #define PREFETCH 8 /* blocks ahead, in the order read */
 #endif
 #define MAX_B 8                                   /* rows of x per pass over W */
+#define AMX_MIN_B 5 /* rows of x from which the tile unit is faster (measured in steps: 4 slower) */
+#define AMX_MAX_B 16 /* rows of a tile */
 
 /* sum_j x[b, 32g + j] for every row b and group g, from bfloat16 x [B, K] */
 static void group_sums(const uint16_t *x, float *xs, int64_t B, int64_t K)
@@ -249,6 +258,86 @@ static void run(const pass_fn *passes, const uint16_t *x, const float *f, int64_
     }
 }
 
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define HAVE_AMX 1
+
+/* Linux hands a process the tile registers only when asked (once; oneDNN asks too). */
+static int amx_granted(void)
+{
+    static int state; /* 0 not asked yet, 1 granted, -1 refused (an older kernel, a VM) */
+    if (state == 0) {
+        const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+        state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+    }
+    return state == 1;
+}
+
+struct tile_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+};
+
+/* q4 for B (AMX_MIN_B..16) rows of x: tile 0 the product [B, 16] float32, tile 1 x's group
+ * [B, 32] bfloat16 (read in place), tile 2 the block's group as 16 pair rows of 16 columns. */
+static void q4_amx(const uint16_t *x, const float *xs, const uint8_t *w, uint16_t *y, int64_t B,
+                   int64_t N, int64_t K)
+{
+    const int64_t G = K / GROUP, bytes = G * Q4_BYTES;
+#pragma omp parallel
+    {
+        struct tile_config cfg = {.palette = 1};
+        cfg.rows[0] = cfg.rows[1] = (uint8_t)B;
+        cfg.rows[2] = 16;
+        cfg.bytes_per_row[0] = cfg.bytes_per_row[1] = cfg.bytes_per_row[2] = 64;
+        _tile_loadconfig(&cfg);
+        const __m512i low_nibble = _mm512_set1_epi16(0x000f), bias = _mm512_set1_epi16(0x4300);
+        __attribute__((aligned(64))) uint16_t pairs[16 * 32];
+        __attribute__((aligned(64))) float dot[AMX_MAX_B * LANES];
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < N / LANES; n++) {
+            const uint8_t *wg = w + n * bytes;
+            __m512 acc[AMX_MAX_B];
+            for (int b = 0; b < B; b++)
+                acc[b] = _mm512_setzero_ps();
+            for (int64_t g = 0; g < G; g++, wg += Q4_BYTES) {
+                for (int line = 0; line < 5; line++) /* the block's 5 cache lines */
+                    _mm_prefetch((const char *)(wg + PREFETCH * Q4_BYTES + 64 * line), _MM_HINT_T0);
+                for (int c = 0; c < 8; c++) {
+                    const __m512i v =
+                        _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(wg + 32 * c)));
+                    _mm512_store_si512(pairs + 32 * c,
+                                       _mm512_ternarylogic_epi32(v, low_nibble, bias, 0xEA));
+                    _mm512_store_si512(pairs + 32 * (c + 8),
+                                       _mm512_or_si512(_mm512_srli_epi16(v, 4), bias));
+                }
+                _tile_zero(0);
+                _tile_loadd(1, x + g * GROUP, K * 2);
+                _tile_loadd(2, pairs, 64);
+                _tile_dpbf16ps(0, 1, 2);
+                _tile_stored(0, dot, 64);
+                const uint16_t *sl = (const uint16_t *)(wg + LANES * GROUP / 2);
+                const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sl));
+                const __m512 low =
+                    _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sl + LANES)));
+                const __m512 low_biased = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), scale, low);
+                for (int b = 0; b < B; b++) {
+                    acc[b] = _mm512_fmadd_ps(scale, _mm512_load_ps(dot + LANES * b), acc[b]);
+                    acc[b] = _mm512_fmadd_ps(low_biased, _mm512_set1_ps(xs[b * G + g]), acc[b]);
+                }
+            }
+            for (int b = 0; b < B; b++)
+                store_bf16(y + b * N + n * LANES, acc[b]);
+        }
+        _tile_release();
+    }
+}
+#endif
+
 /* x [B, K] bfloat16; w [N / 16, K / 32, Q4_BYTES or Q8_BYTES] as above; y [B, N] bfloat16.
  * K % 32 == 0 and N % 16 == 0 (the caller checks). */
 void q4_matmul_bf16(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t B, int64_t N,
@@ -256,6 +345,20 @@ void q4_matmul_bf16(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t B,
 {
     float *xs = malloc((size_t)(B * (K / GROUP)) * sizeof(float));
     group_sums(x, xs, B, K);
+#ifdef HAVE_AMX
+    if (B >= AMX_MIN_B && amx_granted()) {
+        for (int64_t b0 = 0; b0 < B; b0 += AMX_MAX_B) { /* tiles of 16 rows, a short rest apart */
+            const int64_t nb = B - b0 < AMX_MAX_B ? B - b0 : AMX_MAX_B;
+            const int64_t G = K / GROUP;
+            if (nb >= AMX_MIN_B)
+                q4_amx(x + b0 * K, xs + b0 * G, w, y + b0 * N, nb, N, K);
+            else
+                run(Q4_passes, x + b0 * K, xs + b0 * G, G, w, y + b0 * N, nb, N, K);
+        }
+        free(xs);
+        return;
+    }
+#endif
     run(Q4_passes, x, xs, K / GROUP, w, y, B, N, K);
     free(xs);
 }

@@ -35,8 +35,9 @@ def kernel() -> QuantMatmul:
 X86 = platform.machine() in ("x86_64", "AMD64")
 # The builds a CPU other than this one would get: without AVX-512, the file's plain C paths
 # (on a CPU that is not x86, what the usual build compiles); AVX-512 without its BF16
-# instructions (Skylake-X, Ice Lake), the plain C q4 path and the AVX-512 q8 path.
-OTHER_BUILDS = [("-mno-avx512f",), ("-mno-avx512bf16",)] if X86 else [()]
+# instructions (Skylake-X, Ice Lake), the plain C q4 path and the AVX-512 q8 path; AVX-512 BF16
+# without AMX (Cooper Lake, Zen 4), the vector q4 path at every batch.
+OTHER_BUILDS = [("-mno-avx512f",), ("-mno-avx512bf16",), ("-mno-amx-tile",)] if X86 else [()]
 
 
 @pytest.fixture(scope="module", params=OTHER_BUILDS, ids=lambda flags: " ".join(flags) or "default")
@@ -65,7 +66,7 @@ def assert_rounded_once(got: torch.Tensor, want: torch.Tensor) -> None:
     assert (err <= want.abs() * 2.0**-8 + floor).all(), err.max().item()
 
 
-@pytest.mark.parametrize("batch", [1, 2, 3, 5, 8, 9, 17])
+@pytest.mark.parametrize("batch", [1, 2, 3, 5, 8, 9, 16, 17, 35])  # AMX: 4..16 rows a tile
 @pytest.mark.parametrize("shape", [(16, 32), (48, 96), (960, 576), (576, 1536)])
 def test_matches_the_exact_product(kernel, batch, shape):
     rows, cols = shape
