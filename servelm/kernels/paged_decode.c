@@ -104,8 +104,8 @@ INLINE void attend_one_head(const void *q, int64_t q_row, const void *k_cache,
     for (int64_t g = 0; g < G; g++) {
         float m = -INFINITY;
 #pragma omp simd reduction(max : m)
-        for (int64_t t = 0; t < len; t++)
-            m = fmaxf(m, scores[g * len + t]);
+        for (int64_t t = 0; t < len; t++) /* not fmaxf: a call into libm unless NaN is ruled out */
+            m = scores[g * len + t] > m ? scores[g * len + t] : m;
         peak[g] = m;
     }
     for (int64_t g = 0; g < G; g++) {
