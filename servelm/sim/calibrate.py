@@ -48,19 +48,20 @@ from servelm.store.fetch import resolve_model_dir
 LISTED_POINTS = 40  # a profile file lists each timed step only up to this many
 
 # (kind, size, context): prefill size = prompt tokens; decode size = batch, context = prompt.
-# With a decode stack (decode-only steps of up to 16 tokens on the default model) each path
+# With a decode stack (decode-only steps of up to 32 tokens on the default model) each path
 # gets its own fitted shapes, and held-out ones inside their range: the prefills and decodes of
-# 20-32 requests run on the Python layers, the decodes of 1-16 on the stack.
+# 40-48 requests run on the Python layers, the decodes of 1-32 on the stack.
 FIT_SHAPES = [
     ("prefill", 64, 0),
     ("decode", 1, 128),
     ("prefill", 1024, 0),
-    ("decode", 32, 64),
+    ("decode", 48, 64),
     ("prefill", 256, 0),
     ("decode", 8, 256),
     ("decode", 2, 256),
     ("decode", 16, 128),
-    ("decode", 20, 128),
+    ("decode", 40, 128),
+    ("decode", 32, 64),
     ("decode", 6, 64),
 ]
 HELD_OUT_SHAPES = [
@@ -69,6 +70,7 @@ HELD_OUT_SHAPES = [
     ("prefill", 128, 0),
     ("decode", 12, 64),
     ("decode", 24, 96),
+    ("decode", 44, 96),
 ]
 
 

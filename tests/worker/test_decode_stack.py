@@ -41,13 +41,19 @@ def test_it_is_built_and_named(llm):
     )
 
 
-def test_one_step_gives_the_python_layers_hidden_states_bit_for_bit(llm):
+@pytest.mark.parametrize("n", [3, 9])  # 9: the int4 matmuls run on AMX tiles where there are any
+def test_one_step_gives_the_python_layers_hidden_states_bit_for_bit(llm, n):
     runner = llm.engine.executor
     model, attn, stack = runner.model, runner.attn, runner.decode_stack
-    # Three requests with 20, 7 and 33 tokens cached (blocks of 16), one new token each.
-    seqs = [(20, 1, [3, 4]), (7, 1, [5]), (33, 1, [6, 7, 8])]
-    ids = torch.tensor([11, 12, 13])
-    pos = torch.tensor([20, 7, 33])
+    # n requests with 20, 7, 33, 46, ... tokens cached (blocks of 16), one new token each.
+    seqs, first_block = [], 3
+    for i in range(n):
+        cached = [20, 7, 33][i] if i < 3 else 7 + 13 * i
+        blocks = list(range(first_block, first_block + cached // 16 + 1))
+        first_block += len(blocks)
+        seqs.append((cached, 1, blocks))
+    ids = torch.arange(11, 11 + n)
+    pos = torch.tensor([cached for cached, _, _ in seqs])
     for layer_k, layer_v in attn.kv_caches:  # some history to attend over
         layer_k.normal_()
         layer_v.normal_()
@@ -65,7 +71,7 @@ def test_one_step_gives_the_python_layers_hidden_states_bit_for_bit(llm):
         assert torch.equal(k, k0) and torch.equal(v, v0)
 
 
-@pytest.mark.parametrize("batch", [1, 3, C_INT4_MAX_ROWS, C_INT4_MAX_ROWS + 3])
+@pytest.mark.parametrize("batch", [1, 3, 9, C_INT4_MAX_ROWS, C_INT4_MAX_ROWS + 3])
 def test_generation_is_the_same_with_and_without_it(llm, batch):
     # batch > C_INT4_MAX_ROWS: the first steps are too big for the stack and fall back, the last
     # ones (as requests finish at different lengths) take it again.

@@ -48,10 +48,12 @@ INT4_GROUP = 32
 # 15.6 vs 19.3 at 12, 16.9 vs 23.8 at 16. An int4 kernel unpacks every weight for each block of
 # rows, so it wins where reading the weight is the whole cost and loses where arithmetic is.
 INT4_MAX_ROWS = 8
-# The same cut for servelm's C kernel, about 2x torch's at 1 row. Whole decode steps of the
-# default model (decode_stack.c, int4 at up to 32 rows against bf16 above 8), in ms: 30 vs 41
-# at 12 requests, 37 vs 42 at 16, 62 vs 54 at 24, 76 vs 56 at 32.
-C_INT4_MAX_ROWS = 16
+# The same cut for servelm's C kernel, about 2x torch's at 1 row, and from 5 rows on AMX tiles
+# where the CPU has them. Whole decode steps of the default model (the decode stack, which takes
+# as many rows as the int4 matmuls do) against the Python layers with bf16 matmuls, 256-token
+# contexts, in ms: 30.9 vs 39.0 at 24 requests, 36.1 vs 44.7 at 32, 51.1 vs 55.3 at 48, 68.2 vs
+# 68.1 at 64 (on the AVX-512 path, before AMX: 62 vs 54 at 24, 76 vs 56 at 32).
+C_INT4_MAX_ROWS = 32
 # The logits head reads its Q8_0 copy (servelm's C kernel) up to this many rows. Alone, with
 # the weights in cache: 0.69 vs 1.56 ms (oneDNN bf16) at 1 row, 1.89 vs 1.69 ms at 8.
 HEAD_Q8_MAX_ROWS = 8
