@@ -1,0 +1,71 @@
+"""Time the C Q4_1 matmuls of one layer of the default model's shape, side by side: the build
+this CPU takes (AMX tiles from 5 rows where the CPU has them) against the same source built
+without AMX (`-mno-amx-tile`: the AVX-512 BF16 vector path at every batch).
+
+    .venv/bin/python benchmarks/quant_matmul.py                 # batches 1,4,5,8,12,16,24,32
+    .venv/bin/python benchmarks/quant_matmul.py --batch 16 --copies 60
+
+Each weight exists in `--copies` distinct copies, cycled through, so that the weights come
+from memory rather than from a cache warmed by the previous call, as in a decode step. The two
+builds take turns going first within each batch size, and each result is the fastest of
+`--rounds`.
+Prints microseconds per layer (its four matmuls: qkv, o, gate/up, down) and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from servelm.kernels.quant_matmul import QuantMatmul
+
+# (output rows, input columns) of a SmolLM2-135M layer's projections: q/k/v fused, o,
+# gate/up fused, down
+LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+
+
+def time_layer(kernel: QuantMatmul, x_by_cols, weights, copies: int) -> float:
+    """Seconds for one pass of the layer's four matmuls, averaged over the copies."""
+    t0 = time.perf_counter()
+    for i in range(copies):
+        for (rows, cols), packed in zip(LAYER, weights, strict=True):
+            kernel.q4(x_by_cols[cols], packed[i], rows)
+    return (time.perf_counter() - t0) / copies
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", default="1,4,5,8,12,16,24,32")
+    ap.add_argument("--copies", type=int, default=30, help="distinct copies of each weight")
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    builds = {"default": QuantMatmul.load(), "-mno-amx-tile": QuantMatmul.load(("-mno-amx-tile",))}
+    if any(k is None for k in builds.values()):
+        raise SystemExit("quant_matmul.c does not build here (no C compiler, or not x86)")
+    g = torch.Generator().manual_seed(0)
+    weights = []
+    for rows, cols in LAYER:
+        q = torch.randint(0, 16, (rows, cols), generator=g)
+        scale = torch.rand(rows, cols // 32, generator=g) * 0.01
+        low = -torch.rand(rows, cols // 32, generator=g) * 0.08
+        weights.append([QuantMatmul.pack_q4(q, scale, low) for _ in range(args.copies)])
+    print(f"one layer's four Q4_1 matmuls, {args.copies} copies of each weight, best of "
+          f"{args.rounds} rounds, {torch.get_num_threads()} threads")  # fmt: skip
+    print(f"{'rows':>5} {'default build':>14} {'-mno-amx-tile':>14} {'ratio':>6}")
+    for batch in (int(b) for b in args.batch.split(",")):
+        x_by_cols = {
+            c: torch.randn(batch, c, generator=g).bfloat16() for c in {c for _, c in LAYER}
+        }
+        best = {name: float("inf") for name in builds}
+        for r in range(args.rounds):  # the first to run meets colder caches: take turns
+            for name, kernel in list(builds.items())[:: 1 if r % 2 == 0 else -1]:
+                seconds = time_layer(kernel, x_by_cols, weights, args.copies)
+                best[name] = min(best[name], seconds)
+        tiles, vector = best["default"] * 1e6, best["-mno-amx-tile"] * 1e6
+        print(f"{batch:5d} {tiles:11.0f} us {vector:11.0f} us {vector / tiles:5.2f}x")
+
+
+if __name__ == "__main__":
+    main()
