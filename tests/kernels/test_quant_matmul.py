@@ -183,3 +183,30 @@ def test_logits_head_reads_the_q8_copy_for_decode_sized_inputs(kernel):
             assert_rounded_once(got, x.double() @ w.T)
         else:
             assert not got.any()
+
+
+def test_tile_registers_are_shared_with_torchs_amx_kernels(kernel):
+    # torch's flash SDPA and oneDNN's bf16 matmul use the same AMX tile registers on this CPU
+    # (where it has them): each configures its tiles, and the C q4 path releases its own, so
+    # interleaving them must leave every result as it was alone.
+    import torch.nn.functional as F
+
+    from servelm.model.layers.linear import _pack, packed_linear
+
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, h, 300, 64, generator=g).bfloat16() for h in (9, 3, 3))
+    w, x = torch.randn(3072, 576, generator=g).bfloat16(), torch.randn(200, 576, generator=g)
+    packed_bf16, x = _pack(w), x.bfloat16()
+    q4, scale, low, _ = q4_weight(3072, 576, seed=6)
+    packed_q4 = QuantMatmul.pack_q4(q4, scale, low)
+    rows = torch.randn(16, 576, generator=g).bfloat16()
+
+    def attention():
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    alone = attention(), packed_linear(x, packed_bf16), kernel.q4(rows, packed_q4, 3072)
+    for _ in range(20):
+        assert torch.equal(kernel.q4(rows, packed_q4, 3072), alone[2])
+        assert torch.equal(attention(), alone[0])
+        assert torch.equal(kernel.q4(rows[:7], packed_q4, 3072), alone[2][:7])
+        assert torch.equal(packed_linear(x, packed_bf16), alone[1])
