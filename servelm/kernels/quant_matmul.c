@@ -338,6 +338,17 @@ static void q4_amx(const uint16_t *x, const float *xs, const uint8_t *w, uint16_
 }
 #endif
 
+/* The rows of x from which q4 runs on AMX tiles here; 0 where it never does (no AMX in this
+ * build, or Linux refused the tile registers). */
+int64_t q4_tile_min_rows(void)
+{
+#ifdef HAVE_AMX
+    return amx_granted() ? AMX_MIN_B : 0;
+#else
+    return 0;
+#endif
+}
+
 /* x [B, K] bfloat16; w [N / 16, K / 32, Q4_BYTES or Q8_BYTES] as above; y [B, N] bfloat16.
  * K % 32 == 0 and N % 16 == 0 (the caller checks). */
 void q4_matmul_bf16(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t B, int64_t N,

@@ -46,6 +46,9 @@ class QuantMatmul:
             fn = getattr(lib, f"{kind}_matmul_bf16")
             fn.argtypes, fn.restype = [_ptr, _ptr, _ptr, _i64, _i64, _i64], None
             self.fns[kind] = fn
+        lib.q4_tile_min_rows.restype = ctypes.c_int64
+        # q4 runs on AMX tiles from this many rows of x (0: never, on this CPU or build)
+        self.tile_min_rows = lib.q4_tile_min_rows()
 
     @classmethod
     def load(cls, extra_flags: tuple[str, ...] = ()) -> QuantMatmul | None:

@@ -172,6 +172,8 @@ class ModelRunner:
         summary = f"decode attention: {attention}; norm, rotary, SiLU: {layers}"
         if self.int4_layers:
             int4 = "C q4_matmul" if self.quant_kernel else "torch _weight_int4pack_mm"
+            if self.quant_kernel and self.quant_kernel.tile_min_rows:
+                int4 += f" (AMX tiles from {self.quant_kernel.tile_min_rows} rows)"
             summary += f"; int4 projections: {int4}"
         if self.model.head_q8 is not None:
             summary += "; logits head: C q8_matmul (Q8_0)"

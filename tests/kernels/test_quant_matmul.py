@@ -210,3 +210,20 @@ def test_tile_registers_are_shared_with_torchs_amx_kernels(kernel):
         assert torch.equal(attention(), alone[0])
         assert torch.equal(kernel.q4(rows[:7], packed_q4, 3072), alone[2][:7])
         assert torch.equal(packed_linear(x, packed_bf16), alone[1])
+
+
+def test_it_says_whether_it_uses_tiles(kernel):
+    import subprocess
+    from pathlib import Path
+
+    cpuinfo = Path("/proc/cpuinfo")
+    has_amx = cpuinfo.exists() and " amx_bf16" in cpuinfo.read_text()
+    macros = subprocess.run(
+        [*compiler(), "-march=native", "-dM", "-E", "-"], input="", capture_output=True, text=True
+    ).stdout
+    if has_amx and "__AMX_BF16__" not in macros:
+        pytest.skip("this CPU has AMX, but the C compiler does not target it")
+    # 5 rows: where the tile unit became faster in whole decode steps (quant_matmul.c)
+    assert kernel.tile_min_rows == (5 if has_amx else 0)
+    if X86:
+        assert QuantMatmul.load(extra_flags=("-mno-amx-tile",)).tile_min_rows == 0
