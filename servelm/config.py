@@ -99,8 +99,8 @@ class EngineArgs:
             choices=["auto", "torch"],
             help="auto: on the CPU, decode attention, the fused norm / rotary / SiLU layers and "
             "the int4 / Q8_0 matmuls of decode steps run in servelm's C kernels (built with the "
-            "system C compiler on first use, then cached), and a decode step of at most 32 "
-            "tokens runs all its layers in one C call; torch where they cannot be built; "
+            "system C compiler on first use, then cached), and a decode step of at most 32 (16 "
+            "without AMX) tokens runs all its layers in one C call; torch where they cannot be built; "
             "torch: torch ops only, as on CUDA",
         )
         g.add_argument("--max-model-len", type=int, default=None)

@@ -14,6 +14,7 @@ from servelm.kernels.build import compiler
 from servelm.kernels.quant_matmul import QuantMatmul
 from servelm.model.layers.linear import (
     C_INT4_MAX_ROWS,
+    C_INT4_VECTOR_MAX_ROWS,
     HEAD_Q8_MAX_ROWS,
     INT4_MAX_ROWS,
     Int4Weight,
@@ -113,10 +114,13 @@ def test_a_linear_reads_the_c_kernels_int4_copy_up_to_its_cut(kernel):
     layer = Linear(64, 32, bias=False)
     layer.weight = torch.nn.Parameter(torch.zeros(32, 64, dtype=torch.bfloat16), False)
     layer.int4 = Int4Weight(w.float(), torch.bfloat16, kernel)  # differs from the zero weight
-    assert layer.int4.max_rows == C_INT4_MAX_ROWS > INT4_MAX_ROWS
-    for rows in (1, C_INT4_MAX_ROWS, C_INT4_MAX_ROWS + 1):
+    cut = C_INT4_MAX_ROWS if kernel.tile_min_rows else C_INT4_VECTOR_MAX_ROWS
+    assert layer.int4.max_rows == cut > INT4_MAX_ROWS
+    for rows in (1, cut, cut + 1):
         x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)).bfloat16()
-        assert layer(x).any() == (rows <= C_INT4_MAX_ROWS)
+        assert layer(x).any() == (rows <= cut)
+    vector = QuantMatmul.load(extra_flags=("-mno-amx-tile",) if X86 else ())
+    assert Int4Weight(w.float(), torch.bfloat16, vector).max_rows == C_INT4_VECTOR_MAX_ROWS
 
 
 def test_refuses_inputs_that_do_not_fit_the_packed_weight(kernel):

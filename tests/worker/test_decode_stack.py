@@ -10,9 +10,12 @@ import torch
 
 from servelm import LLM, SamplingParams
 from servelm.kernels.build import compiler
-from servelm.model.layers.linear import C_INT4_MAX_ROWS
+from servelm.kernels.quant_matmul import QuantMatmul
+from servelm.model.layers.linear import c_int4_max_rows
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="the C kernels need a C compiler")
+# decode steps of up to this many tokens take the stack here (32 with AMX tiles, else 16)
+MAX_ROWS = c_int4_max_rows(QuantMatmul.load()) if compiler() is not None else 0
 
 
 def int4_llm(model_dir, **kw) -> LLM:
@@ -35,8 +38,8 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 def test_it_is_built_and_named(llm):
     runner = llm.engine.executor
     assert runner.decode_stack is not None
-    assert runner.decode_stack.max_rows == runner.decode_stack_max_tokens == C_INT4_MAX_ROWS
-    assert f"decode steps of <= {C_INT4_MAX_ROWS} tokens: all layers in one C call" in (
+    assert runner.decode_stack.max_rows == runner.decode_stack_max_tokens == MAX_ROWS
+    assert f"decode steps of <= {MAX_ROWS} tokens: all layers in one C call" in (
         runner.kernel_summary
     )
 
@@ -71,9 +74,9 @@ def test_one_step_gives_the_python_layers_hidden_states_bit_for_bit(llm, n):
         assert torch.equal(k, k0) and torch.equal(v, v0)
 
 
-@pytest.mark.parametrize("batch", [1, 3, 9, C_INT4_MAX_ROWS, C_INT4_MAX_ROWS + 3])
+@pytest.mark.parametrize("batch", [1, 3, 9, MAX_ROWS, MAX_ROWS + 3])
 def test_generation_is_the_same_with_and_without_it(llm, batch):
-    # batch > C_INT4_MAX_ROWS: the first steps are too big for the stack and fall back, the last
+    # batch > MAX_ROWS: the first steps are too big for the stack and fall back, the last
     # ones (as requests finish at different lengths) take it again.
     runner, stack = llm.engine.executor, llm.engine.executor.decode_stack
     reqs = prompts(batch, seed=batch)
@@ -99,7 +102,7 @@ def test_steps_it_does_not_take(llm):
         attn.plan([(0, 4, [1])], torch.device("cpu"), torch.bfloat16)
         assert stack(torch.tensor([5, 6, 7, 8]), torch.arange(4)) is None
         # one more decode token than the int4 weights serve
-        n = C_INT4_MAX_ROWS + 1
+        n = MAX_ROWS + 1
         attn.plan([(3, 1, [i]) for i in range(n)], torch.device("cpu"), torch.bfloat16)
         assert stack(torch.full((n,), 5), torch.full((n,), 3)) is None
 

@@ -51,9 +51,18 @@ INT4_MAX_ROWS = 8
 # The same cut for servelm's C kernel, about 2x torch's at 1 row, and from 5 rows on AMX tiles
 # where the CPU has them. Whole decode steps of the default model (the decode stack, which takes
 # as many rows as the int4 matmuls do) against the Python layers with bf16 matmuls, 256-token
-# contexts, in ms: 30.9 vs 39.0 at 24 requests, 36.1 vs 44.7 at 32, 51.1 vs 55.3 at 48, 68.2 vs
-# 68.1 at 64 (on the AVX-512 path, before AMX: 62 vs 54 at 24, 76 vs 56 at 32).
-C_INT4_MAX_ROWS = 32
+# contexts, in ms: with tiles, 30.9 vs 39.0 at 24 requests, 36.1 vs 44.7 at 32, 51.1 vs 55.3 at
+# 48, 68.2 vs 68.1 at 64; on the AVX-512 vector path alone, 30 vs 41 at 12, 37 vs 42 at 16, 62
+# vs 54 at 24, 76 vs 56 at 32.
+C_INT4_MAX_ROWS = 32  # with AMX tiles
+C_INT4_VECTOR_MAX_ROWS = 16  # without
+
+
+def c_int4_max_rows(kernel: QuantMatmul) -> int:
+    """Rows up to which servelm's C int4 matmul beats bf16 on this CPU (see above)."""
+    return C_INT4_MAX_ROWS if kernel.tile_min_rows else C_INT4_VECTOR_MAX_ROWS
+
+
 # The logits head reads its Q8_0 copy (servelm's C kernel) up to this many rows. Alone, with
 # the weights in cache: 0.69 vs 1.56 ms (oneDNN bf16) at 1 row, 1.89 vs 1.69 ms at 8.
 HEAD_Q8_MAX_ROWS = 8
@@ -112,7 +121,7 @@ class Int4Weight:
         q, self.error = _on_grid(groups, low, step)
         q = q.clamp_(0, 15).view(rows, cols)
         self.rows, self.kernel = rows, kernel
-        self.max_rows = INT4_MAX_ROWS if kernel is None else C_INT4_MAX_ROWS
+        self.max_rows = INT4_MAX_ROWS if kernel is None else c_int4_max_rows(kernel)
         if kernel is not None:
             self.packed = kernel.pack_q4(q, step.view(rows, -1), low.view(rows, -1))
             self.nbytes = self.packed.nbytes
