@@ -72,9 +72,8 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> JSONResponse:
         chat.check_model(req.model)
-        if req.messages is not None:
-            msgs = [m.model_dump(exclude_none=True) for m in req.messages]
-            ids = await chat.encode_chat(msgs, req.add_generation_prompt)
+        if req.messages is not None:  # counted as a chat completion would count them
+            ids = await chat.encode_messages(req.messages, req.add_generation_prompt)
         elif req.prompt is not None:
             ids = await chat.encode(req.prompt, req.add_special_tokens)
         else:

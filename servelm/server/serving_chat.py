@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from servelm.engine.outputs import Logprobs
 from servelm.server.errors import APIError
-from servelm.server.protocol import ChatCompletionRequest
+from servelm.server.protocol import ChatCompletionRequest, ChatMessage
 from servelm.server.serving import (
     OpenAIServing,
     cancel_on_disconnect,
@@ -41,7 +41,13 @@ def refuse_unsupported(req: ChatCompletionRequest) -> None:
             "tool_choice must be 'auto' or 'none': servelm cannot force a tool call.",
             "tool_choice",
         )
-    for i, m in enumerate(req.messages):
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as the chat template reads them (content as plain text), or a 400 naming
+    the first one servelm cannot carry: an unknown role, a part that is not text, no content."""
+    out = []
+    for i, m in enumerate(messages):
         if m.role not in ROLES:
             roles = ", ".join(ROLES)
             message = f"messages.{i}.role must be one of {roles}; got {m.role!r}."
@@ -55,24 +61,34 @@ def refuse_unsupported(req: ChatCompletionRequest) -> None:
                 kind = part.get("type")
                 message = f"messages.{i}.content: only text parts are supported, got {kind!r}."
                 raise APIError(400, message, "messages")
+        d = m.model_dump(exclude_none=True)
+        if isinstance(m.content, list):  # [{"type": "text", "text": ...}] -> plain text
+            d["content"] = "".join(part["text"] for part in m.content)
+        d.setdefault("content", "")  # an assistant's tool calls alone: templates read it
+        out.append(d)
+    return out
 
 
 class ServingChat(OpenAIServing):
+    async def encode_messages(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        """The prompt ids of a conversation (chat completions and /tokenize alike)."""
+        try:
+            return await self.encode_chat(
+                template_messages(messages), add_generation_prompt, tools=tools
+            )
+        except ChatTemplateError as exc:
+            raise APIError(400, str(exc), "messages") from None
+
     async def create(self, req: ChatCompletionRequest, raw: Request):
         self.check_model(req.model)
         self.check_logprobs(req.top_logprobs, "top_logprobs")
         refuse_unsupported(req)
-        messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        for m in messages:  # content parts [{"type": "text", "text": ...}] -> plain text
-            m.setdefault("content", "")  # an assistant's tool calls alone: templates read it
-            if isinstance(m["content"], list):
-                m["content"] = "".join(p.get("text", "") for p in m["content"])
-        try:
-            prompt_ids = await self.encode_chat(
-                messages, req.add_generation_prompt, tools=req.tools
-            )
-        except ChatTemplateError as exc:
-            raise APIError(400, str(exc), "messages") from None
+        prompt_ids = await self.encode_messages(req.messages, req.add_generation_prompt, req.tools)
         self.check_prompt_length(prompt_ids)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, req.max_completion_tokens or req.max_tokens, logprobs)

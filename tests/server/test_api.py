@@ -276,6 +276,18 @@ def test_tokenize_detokenize_version(server, tokenizer):
     assert httpx.get(server.url + "/version").json()["version"]
 
 
+def test_tokenize_counts_messages_as_chat_completions_do(server, client):
+    import httpx
+
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hello "},
+                                          {"type": "text", "text": "world"}]}]  # fmt: skip
+    r = client.chat.completions.create(model="tiny", messages=parts, max_tokens=1)
+    counted = httpx.post(server.url + "/tokenize", json={"messages": parts}).json()
+    assert counted["count"] == r.usage.prompt_tokens
+    missing = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user"}]})
+    assert missing.status_code == 400 and "content is required" in missing.text
+
+
 def test_streamed_logprobs_cover_every_token(client):
     stream = client.chat.completions.create(
         model="tiny",
