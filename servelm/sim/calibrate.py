@@ -48,10 +48,10 @@ from servelm.store.fetch import resolve_model_dir
 LISTED_POINTS = 40  # a profile file lists each timed step only up to this many
 
 # (kind, size, context): prefill size = prompt tokens; decode size = batch, context = prompt.
-# With a decode stack (decode-only steps of up to 32 tokens on the default model; 16 without
-# AMX, where the 24-32 decodes go to the Python path with the 40-48) each path
-# gets its own fitted shapes, and held-out ones inside their range: the prefills and decodes of
-# 40-48 requests run on the Python layers, the decodes of 1-32 on the stack.
+# With a decode stack each path gets fitted shapes of its own and held-out ones inside their
+# range. The default model's stack takes decodes of up to 32 requests (16 without AMX, where
+# those of 24-32 join the Python path); the prefills and the decodes of 40-48 requests always
+# run on the Python layers.
 FIT_SHAPES = [
     ("prefill", 64, 0),
     ("decode", 1, 128),

@@ -91,9 +91,10 @@ class TextTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # The fast batch call skips the character offsets, which servelm never reads: the same
         # ids ~30 % sooner (an 8,700-character prompt: 2.8-3.2 ms against 4.0-4.3 ms).
-        return self.tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)[
-            0
-        ].ids
+        (encoding,) = self.tokenizer.encode_batch_fast(
+            [text], add_special_tokens=add_special_tokens
+        )
+        return encoding.ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
