@@ -62,8 +62,11 @@ def test_all_replicas_down_is_503_with_retry_after() -> None:
     assert resp.status_code == 503 and resp.json()["error"]["code"] == "no_replica"
 
 
-async def stream_one(client: openai.AsyncOpenAI, started: set[int], i: int) -> tuple[str, str, str]:
-    """One long stream; (replica, "ok" | "error", finish reason or error message)."""
+async def stream_one(
+    client: openai.AsyncOpenAI, routed: dict[int, str], started: set[int], i: int
+) -> tuple[str, str, str]:
+    """One long stream; (replica, "ok" | "error", finish reason or error message). `routed`
+    learns its replica when the response starts, `started` when its first text arrives."""
     raw = await client.chat.completions.with_raw_response.create(
         model=MODEL,
         messages=[{"role": "user", "content": f"stream {i}"}],
@@ -71,7 +74,7 @@ async def stream_one(client: openai.AsyncOpenAI, started: set[int], i: int) -> t
         stream=True,
         extra_body={"ignore_eos": True},
     )
-    replica = raw.headers["x-servelm-replica"]
+    replica = routed[i] = raw.headers["x-servelm-replica"]
     finish = ""
     try:
         async for chunk in raw.parse():
@@ -86,10 +89,19 @@ async def stream_one(client: openai.AsyncOpenAI, started: set[int], i: int) -> t
 
 async def kill_during_streams(r: Proc, victim: Proc) -> dict:
     client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    routed: dict[int, str] = {}
     started: set[int] = set()
-    streams = [asyncio.create_task(stream_one(client, started, i)) for i in range(STREAMS)]
-    while len(started) < STREAMS:
-        await asyncio.sleep(0.05)
+    streams = [asyncio.create_task(stream_one(client, routed, started, i)) for i in range(STREAMS)]
+
+    def victims_streaming() -> bool:
+        """Every stream routed, and the victim's all producing text: kill now. Waiting for
+        the other replicas' first tokens too let the victim's streams run to their end first
+        when the replicas started unevenly."""
+        on_victim = {i for i, url in routed.items() if url == victim.url}
+        return len(routed) == STREAMS and on_victim <= started
+
+    while not victims_streaming():
+        await asyncio.sleep(0.02)
         assert not any(t.done() for t in streams), "a stream ended before the kill"
     victim.kill()
     killed_at = time.monotonic()
