@@ -84,14 +84,28 @@ class HealthChecker:
         self.on_tick = on_tick
 
     async def run(self) -> None:
-        while True:
-            if self.on_tick is not None:
-                try:
-                    self.on_tick()
-                except Exception:  # a bad config file must not stop health checks
-                    logger.exception("reloading configuration failed")
-            await self.check_all()
-            await asyncio.sleep(self.interval_s)
+        """Probe every replica each interval, each on its own: a replica slow to answer (a
+        busy one can take the whole timeout, three requests in a row) delays its own next
+        probe, not that of a dead one beside it."""
+        probing: dict[str, asyncio.Task[None]] = {}
+        try:
+            while True:
+                if self.on_tick is not None:
+                    try:
+                        self.on_tick()
+                    except Exception:  # a bad config file must not stop health checks
+                        logger.exception("reloading configuration failed")
+                for r in self.replicas:
+                    task = probing.get(r.url)
+                    if task is None or task.done():
+                        probing[r.url] = asyncio.create_task(self.probe(r))
+                for url in [u for u in probing if self.replicas.get(u) is None]:
+                    probing.pop(url).cancel()  # removed from the pool
+                self.replicas.reap()
+                await asyncio.sleep(self.interval_s)
+        finally:  # stopped (the router shutting down): no probe outlives the loop
+            for task in probing.values():
+                task.cancel()
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.probe(r) for r in self.replicas))

@@ -118,3 +118,34 @@ def test_probe_of_a_closed_port_keeps_a_new_replica_pending(checker: HealthCheck
 
     asyncio.run(probe())
     assert r.state is ReplicaState.PENDING and "connect" in (r.last_error or "")
+
+
+def test_a_slow_replica_does_not_delay_noticing_a_dead_one() -> None:
+    # "slow" answers its probes after 2 s; "dead" answers, then refuses connections (killed).
+    killed = False
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "slow":
+            await asyncio.sleep(2.0)
+        elif killed:
+            raise httpx.ConnectError("refused", request=request)
+        return httpx.Response(200, json={"data": []})
+
+    async def main() -> float | None:
+        nonlocal killed
+        client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        checker = HealthChecker(ReplicaSet(), client, RouterMetrics(), interval_s=0.1)
+        checker.replicas.add("http://slow:1")
+        dead = checker.replicas.add("http://dead:1")
+        loop = asyncio.create_task(checker.run())
+        await asyncio.sleep(0.3)
+        assert dead.state is ReplicaState.HEALTHY
+        killed, t0 = True, time.monotonic()
+        while dead.state is not ReplicaState.EJECTED and time.monotonic() - t0 < 3.0:
+            await asyncio.sleep(0.02)
+        loop.cancel()
+        await client.aclose()
+        return time.monotonic() - t0 if dead.state is ReplicaState.EJECTED else None
+
+    ejected_after = asyncio.run(main())
+    assert ejected_after is not None and ejected_after < 0.5  # the next interval, not the slow one
