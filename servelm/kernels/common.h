@@ -69,4 +69,30 @@ INLINE float exp_approx(float x)
     return p * two_n;
 }
 
+/* AMX (Sapphire Rapids and later): the tile registers, where the compiler targets them. */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define HAVE_AMX 1
+
+/* Linux hands a process the tile registers only when asked (once; oneDNN asks too). */
+__attribute__((unused)) static int amx_granted(void)
+{
+    static int state; /* 0 not asked yet, 1 granted, -1 refused (an older kernel, a VM) */
+    if (state == 0) {
+        const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+        state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+    }
+    return state == 1;
+}
+
+struct tile_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+};
+#endif
+
 #endif

@@ -66,7 +66,7 @@ class PagedDecodeKernel:
     ) -> torch.Tensor:
         if slots is None:  # stored already: the new rows are not read
             k = v = q.new_empty((0, 0, 0))
-        q, k, v = _rows_of_heads(q), _rows_of_heads(k), _rows_of_heads(v)
+        q, k, v = rows_of_heads(q), rows_of_heads(k), rows_of_heads(v)
         dtype = self.dtype
         if not (q.dtype == k.dtype == v.dtype == k_cache.dtype == v_cache.dtype == dtype):
             raise ValueError(f"this kernel is for {dtype} tensors")
@@ -116,7 +116,7 @@ class PagedDecodeKernel:
         return out
 
 
-def _rows_of_heads(t: torch.Tensor) -> torch.Tensor:
+def rows_of_heads(t: torch.Tensor) -> torch.Tensor:
     """t [B, H, D] whose heads lie side by side in each row (a row may be a strided view)."""
     if t.stride(2) == 1 and t.stride(1) == t.shape[2]:
         return t

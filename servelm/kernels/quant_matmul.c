@@ -260,29 +260,7 @@ static void run(const pass_fn *passes, const uint16_t *x, const float *f, int64_
     }
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#define HAVE_AMX 1
-
-/* Linux hands a process the tile registers only when asked (once; oneDNN asks too). */
-static int amx_granted(void)
-{
-    static int state; /* 0 not asked yet, 1 granted, -1 refused (an older kernel, a VM) */
-    if (state == 0) {
-        const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-        state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
-    }
-    return state == 1;
-}
-
-struct tile_config {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t bytes_per_row[16];
-    uint8_t rows[16];
-};
-
+#ifdef HAVE_AMX
 /* q4 for B (AMX_MIN_B..16) rows of x: tile 0 the product [B, 16] float32, tile 1 x's group
  * [B, 32] bfloat16 (read in place), tile 2 the block's group as 16 pair rows of 16 columns. */
 static void q4_amx(const uint16_t *x, const float *xs, const uint8_t *w, uint16_t *y, int64_t B,

@@ -9,9 +9,10 @@ slot is `block_id * block_size + offset`. A request's block table lists its bloc
 Decode requests (one query token each) are attended together: on the CPU by servelm's C kernel
 (`kernels/paged_decode.c`), which reads K/V in place through the block table; elsewhere in one
 padded SDPA batch whose K/V is gathered a whole block at a time (one contiguous copy per block,
-not one per token). Prefill chunks run one request at a time through SDPA with a causal mask
-offset by the tokens already cached. The slot indices are built once per step
-(`AttentionMetadata`) and shared by every layer.
+not one per token). Prefill chunks run one request at a time: on a CPU with AMX tiles through
+`kernels/paged_prefill.c`, which reads K in place too and needs no mask; elsewhere through SDPA
+with a causal mask offset by the tokens already cached. The slot indices are built once per
+step (`AttentionMetadata`) and shared by every layer.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from servelm.kernels.paged_decode import PagedDecodeKernel
+from servelm.kernels.paged_prefill import PagedPrefillKernel
 
 
 @dataclass
@@ -31,7 +33,8 @@ class PrefillChunk:
     num_tokens: int  # query tokens in this step
     context_len: int  # tokens so far, these included
     context_blocks: torch.Tensor  # [ceil(context_len / block_size)] blocks holding them
-    causal: torch.Tensor | None  # [num_tokens, context_len] 0 / -inf, None when context == queries
+    causal: torch.Tensor | None  # [num_tokens, context_len] 0 / -inf; None: context == queries
+    # (or a prefill kernel that needs no mask)
 
 
 @dataclass
@@ -59,10 +62,12 @@ def build_metadata(
     device: torch.device,
     dtype: torch.dtype = torch.float32,
     decode_mask: bool = True,
+    prefill_masks: bool = True,
 ) -> AttentionMetadata:
     """seqs: per request (num_computed_tokens, num_new_tokens, block_ids), in batch order;
-    dtype: the model's (attention masks are made in it); decode_mask: build the padded decode
-    batch's mask (only SDPA reads it; the C kernel reads the lengths).
+    dtype: the model's (attention masks are made in it); decode_mask / prefill_masks: build the
+    padded decode batch's mask and the offset causal masks of prefill chunks after cached
+    tokens (only SDPA reads them; the C kernels work from lengths).
 
     Built with numpy on the host (one small array op per request, not one torch op per token),
     then moved to the device once.
@@ -82,7 +87,9 @@ def build_metadata(
             decode_lens.append(ctx)
         else:
             causal = None
-            if num_computed:  # query i (at position num_computed + i) sees keys 0 .. its own
+            if (
+                num_computed and prefill_masks
+            ):  # query i (at position num_computed + i) sees keys 0 .. its own
                 causal = additive_mask(np.arange(ctx)[None, :] <= new_pos[:, None], dtype, device)
             blocks = torch.from_numpy(table).to(device)
             prefills.append(PrefillChunk(row, num_new, ctx, blocks, causal))
@@ -112,7 +119,7 @@ def build_metadata(
 
 class TorchPagedAttention:
     """Paged attention from index ops and SDPA, correct on CPU and CUDA; decode tokens go to
-    `decode_kernel` (the CPU C kernel) when one is given."""
+    `decode_kernel` and prefill chunks to `prefill_kernel` (the CPU C kernels) when given."""
 
     def __init__(
         self,
@@ -120,19 +127,21 @@ class TorchPagedAttention:
         scale: float,
         block_size: int,
         decode_kernel: PagedDecodeKernel | None = None,
+        prefill_kernel: PagedPrefillKernel | None = None,
     ) -> None:
         self.kv_caches = kv_caches
         self.scale = scale
         self.block_size = block_size
         self.decode_kernel = decode_kernel
+        self.prefill_kernel = prefill_kernel
         self.meta: AttentionMetadata | None = None
 
     def plan(
         self, seqs: list[tuple[int, int, list[int]]], device: torch.device, dtype: torch.dtype
     ) -> None:
         """This step's metadata (see `build_metadata`), shared by every layer."""
-        decode_mask = self.decode_kernel is None
-        self.meta = build_metadata(seqs, self.block_size, device, dtype, decode_mask)
+        decode_mask, prefill_masks = self.decode_kernel is None, self.prefill_kernel is None
+        self.meta = build_metadata(seqs, self.block_size, device, dtype, decode_mask, prefill_masks)
 
     def __call__(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -151,8 +160,20 @@ class TorchPagedAttention:
             out[meta.decode_rows] = self._decode(q[meta.decode_rows], k_cache, v_cache, meta, gqa)
         for chunk in meta.prefills:
             rows = slice(chunk.start, chunk.start + chunk.num_tokens)
+            if self.prefill_kernel is not None:  # reads its K/V from the cache, stored above
+                self.prefill_kernel(
+                    q[rows],
+                    k_cache,
+                    v_cache,
+                    chunk.context_blocks,
+                    self.block_size,
+                    chunk.context_len,
+                    self.scale,
+                    out[rows],
+                )
+                continue
             qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-            if chunk.causal is None:  # nothing cached before this chunk: its own K/V is all
+            if chunk.context_len == chunk.num_tokens:  # nothing cached before: its own K/V is all
                 kp, vp = k[rows], v[rows]
             else:
                 kp = self._read_blocks(k_cache, chunk.context_blocks)[: chunk.context_len]

@@ -22,6 +22,7 @@ from servelm.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from servelm.kernels.build import build_all
 from servelm.kernels.cpu_ops import CpuOps
 from servelm.kernels.paged_decode import PagedDecodeKernel
+from servelm.kernels.paged_prefill import PagedPrefillKernel
 from servelm.kernels.quant_matmul import QuantMatmul
 from servelm.model.config import ModelSpec
 from servelm.model.loader import build_model
@@ -149,11 +150,12 @@ class ModelRunner:
         # One mapping for every layer's K and V.
         pool = zeros((self.spec.num_layers, 2, *shape), self.dtype, self.device)
         caches = [(layer[0], layer[1]) for layer in pool]
-        kernel = None
+        decode = prefill = None
         if self.use_c_kernels:
-            kernel = PagedDecodeKernel.load(self.dtype, self.spec.head_dim)
+            decode = PagedDecodeKernel.load(self.dtype, self.spec.head_dim)
+            prefill = PagedPrefillKernel.load(self.dtype, self.spec.head_dim, self.block_size)
         self.attn = TorchPagedAttention(
-            caches, self.spec.head_dim**-0.5, self.block_size, decode_kernel=kernel
+            caches, self.spec.head_dim**-0.5, self.block_size, decode, prefill
         )
         self.decode_stack = DecodeStack.build(self.model, self.attn)
         self.num_blocks = num_blocks
@@ -166,10 +168,13 @@ class ModelRunner:
     @property
     def kernel_summary(self) -> str:
         """Which code runs decode attention and the element-wise layers."""
-        kernel = self.attn.decode_kernel if self.attn else None
-        attention = f"C {kernel.name}" if kernel else "torch SDPA over gathered blocks"
+        decode = self.attn.decode_kernel if self.attn else None
+        prefill = self.attn.prefill_kernel if self.attn else None
+        attention = f"C {decode.name}" if decode else "torch SDPA over gathered blocks"
+        prefill_attention = f"C {prefill.name}" if prefill else "torch SDPA"
         layers = "C cpu_ops" if self.model.cpu_ops else "torch ops"
-        summary = f"decode attention: {attention}; norm, rotary, SiLU: {layers}"
+        summary = f"decode attention: {attention}; prefill attention: {prefill_attention}"
+        summary += f"; norm, rotary, SiLU: {layers}"
         if self.int4_layers:
             int4 = "C q4_matmul" if self.quant_kernel else "torch _weight_int4pack_mm"
             if self.quant_kernel and self.quant_kernel.tile_min_rows:

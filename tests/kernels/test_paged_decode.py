@@ -155,6 +155,7 @@ def test_every_kernel_builds_side_by_side_into_the_cache(tmp_path, monkeypatch):
         "cpu_ops",
         "decode_stack",
         "paged_decode",
+        "paged_prefill",
         "quant_matmul",
     ]
     assert all(p.exists() and p.parent == tmp_path / "cache" for p in built)

@@ -1,0 +1,322 @@
+/* Prefill attention over the paged KV cache on AMX tiles: the n newest tokens of one sequence
+ * attend, causally, to all ctx tokens of its context (the n among them), reading K in place.
+ *
+ * torch's SDPA needs the context gathered out of the blocks and, once part of it is cached, a
+ * mask for the offset causal pattern; on this CPU it reaches ~0.4 TFLOP/s, a third of the tile
+ * unit's bf16 matmuls. Here, for each query head and tile of 16 query rows (in parallel), over
+ * the context in chunks of 32 keys, with q_i at position ctx - n + i:
+ *
+ *   S^T[key][i] = K[key] . q_i                         tile products, K read in place
+ *   online softmax over keys (float32, lanes = queries): running max m_i, sum l_i, and
+ *   O^T[d][i] = alpha_i O^T[d][i] + sum_key V^T[d][key] P^T[key][i]      P rounded to bf16
+ *   out[i] = O[i] / l_i                                  keys > position masked
+ *
+ * Transposed so that the 16 lanes of a vector are the 16 queries: the softmax needs no
+ * horizontal reductions and P^T is a tile operand as it comes. K tiles are 16 keys of one block
+ * (block_size % 16 == 0) read through the block table; V is packed once per call as V^T, 32
+ * keys by 16 dims a tile, into `scratch` (vt_bytes() of it). P is rounded to bfloat16 for its
+ * product with V, as torch's flash attention does. Keys at and past ctx are masked, their V
+ * packed as zeros; a half chunk wholly past ctx is not read.
+ *
+ * Layouts (elements, row-major): q [n, Hq, D] rows q_stride apart; caches [slots, Hkv, D];
+ * blocks: the sequence's block table; out [n, Hq, D] rows out_stride apart. D % 32 == 0, at
+ * most 256. bfloat16 only.
+ */
+
+#include <math.h>
+#include <stdlib.h>
+
+#include "common.h"
+
+#define QT 16 /* queries per tile: the lanes */
+#define KC 32 /* keys per chunk: one bf16 tile row */
+
+#ifdef HAVE_AMX
+
+/* e^x for 16 lanes: exp_approx's range reduction and series, with 2^n from vscalefps. */
+INLINE __m512 exp512(__m512 x)
+{
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-06f), r);
+    __m512 p = _mm512_set1_ps(1.f / 5040);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* The slot of token t through the block table. */
+INLINE int64_t slot_of(const int64_t *blocks, int64_t block_size, int64_t t)
+{
+    return blocks[t / block_size] * block_size + t % block_size;
+}
+
+/* V^T of chunk c of KV head h: for each slab of 16 dims, 16 rows (dims) of 32 keys. Pairs of
+ * keys are interleaved first (each 32-bit word then holds one dim of both), then each row of
+ * V^T is one gather of a dim's words across the 16 pairs. */
+static void pack_vt(const uint16_t *v_cache, const int64_t *blocks, int64_t block_size,
+                    int64_t ctx, int64_t Hkv, int64_t D, int64_t h, int64_t c, uint16_t *dst)
+{
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                           24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                           16, 0);
+    const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7,
+                                                               6, 5, 4, 3, 2, 1, 0),
+                                              _mm512_set1_epi32(16));
+    const uint16_t *rows[KC];
+    for (int64_t k = 0; k < KC; k++) {
+        const int64_t t = c * KC + k;
+        rows[k] = t < ctx ? v_cache + (slot_of(blocks, block_size, t) * Hkv + h) * D : NULL;
+    }
+    __attribute__((aligned(64))) uint32_t words[16 * 16]; /* [pair][dim of the slab] */
+    for (int64_t j = 0; j < D / 16; j++) {
+        for (int r = 0; r < 16; r++) {
+            const uint16_t *a = rows[2 * r], *b = rows[2 * r + 1];
+            const __m256i va = a ? _mm256_loadu_si256((const __m256i *)(a + 16 * j))
+                                 : _mm256_setzero_si256();
+            const __m256i vb = b ? _mm256_loadu_si256((const __m256i *)(b + 16 * j))
+                                 : _mm256_setzero_si256();
+            const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(va), vb, 1);
+            _mm512_store_si512(words + 16 * r, _mm512_permutexvar_epi16(pairs, ab));
+        }
+        for (int d = 0; d < 16; d++)
+            _mm512_store_si512(dst + j * 16 * KC + d * KC,
+                               _mm512_i32gather_epi32(_mm512_add_epi32(column,
+                                                                       _mm512_set1_epi32(d)),
+                                                      words, 4));
+    }
+}
+
+/* S^T [32 keys, 16 queries] of one chunk into s: k[half] the first of its 16 keys' rows in
+ * the cache (NULL: past the context, zeros), row_bytes apart; qt Q^T in slabs of 32 dims. */
+static void scores(const uint16_t *const k[2], int64_t row_bytes, int64_t D,
+                   const uint16_t (*qt)[16 * 32], float *s)
+{
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t j = 0; j < D / 32; j++) {
+        _tile_loadd(4, qt[j], 64);
+        if (k[0]) {
+            _tile_loadd(0, k[0] + 32 * j, row_bytes);
+            _tile_dpbf16ps(2, 0, 4);
+        }
+        if (k[1]) {
+            _tile_loadd(1, k[1] + 32 * j, row_bytes);
+            _tile_dpbf16ps(3, 1, 4);
+        }
+    }
+    _tile_stored(2, s, 64);
+    _tile_stored(3, s + 16 * QT, 64);
+}
+
+/* The same for D = 64, each operand in a tile of its own so that the products overlap. */
+static void scores_d64(const uint16_t *const k[2], int64_t row_bytes, const uint16_t *qt,
+                       float *s)
+{
+    _tile_loadd(4, qt, 64);
+    _tile_loadd(5, qt + 16 * 32, 64);
+    _tile_zero(2);
+    _tile_zero(3);
+    if (k[0]) {
+        _tile_loadd(0, k[0], row_bytes);
+        _tile_loadd(1, k[0] + 32, row_bytes);
+        _tile_dpbf16ps(2, 0, 4);
+        _tile_dpbf16ps(2, 1, 5);
+    }
+    if (k[1]) {
+        _tile_loadd(6, k[1], row_bytes);
+        _tile_loadd(7, k[1] + 32, row_bytes);
+        _tile_dpbf16ps(3, 6, 4);
+        _tile_dpbf16ps(3, 7, 5);
+    }
+    _tile_stored(2, s, 64);
+    _tile_stored(3, s + 16 * QT, 64);
+}
+
+/* O^T [D, 16 queries] += V^T . P^T: v the chunk's V^T (slabs of 16 dims by 32 keys), pt P^T
+ * as pairs of keys. */
+static void values(const uint16_t *pt, const uint16_t *v, int64_t D, float *ot)
+{
+    _tile_loadd(4, pt, 64);
+    for (int64_t j = 0; j < D / 16; j++) {
+        _tile_loadd(6, ot + j * 16 * QT, 64);
+        _tile_loadd(5, v + j * 16 * KC, 64);
+        _tile_dpbf16ps(6, 5, 4);
+        _tile_stored(6, ot + j * 16 * QT, 64);
+    }
+}
+
+static void values_d64(const uint16_t *pt, const uint16_t *v, float *ot)
+{
+    _tile_loadd(4, pt, 64);
+    _tile_loadd(0, ot, 64);
+    _tile_loadd(1, ot + 16 * QT, 64);
+    _tile_loadd(2, ot + 32 * QT, 64);
+    _tile_loadd(3, ot + 48 * QT, 64);
+    _tile_loadd(5, v, 64);
+    _tile_loadd(6, v + 16 * KC, 64);
+    _tile_loadd(7, v + 32 * KC, 64);
+    _tile_dpbf16ps(0, 5, 4);
+    _tile_dpbf16ps(1, 6, 4);
+    _tile_dpbf16ps(2, 7, 4);
+    _tile_loadd(5, v + 48 * KC, 64);
+    _tile_dpbf16ps(3, 5, 4);
+    _tile_stored(0, ot, 64);
+    _tile_stored(1, ot + 16 * QT, 64);
+    _tile_stored(2, ot + 32 * QT, 64);
+    _tile_stored(3, ot + 48 * QT, 64);
+}
+
+/* One tile of queries of one head: see the header. */
+static void attend_tile(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
+                        const uint16_t *vt, const int64_t *blocks, int64_t block_size, int64_t n,
+                        int64_t ctx, int64_t Hq, int64_t Hkv, int64_t D, int64_t hq, int64_t q0,
+                        float scale, uint16_t *out, int64_t out_stride)
+{
+    const int64_t h = hq / (Hq / Hkv), rows = n - q0 < QT ? n - q0 : QT;
+    const int64_t first_pos = ctx - n + q0, last_pos = first_pos + rows - 1;
+    const int64_t chunks = last_pos / KC + 1, vt_chunk = D * KC;
+    __attribute__((aligned(64))) uint16_t qt[256 / 32][16 * 32]; /* Q^T, pairs of dims */
+    __attribute__((aligned(64))) float s[KC * QT];                /* S^T of a chunk */
+    __attribute__((aligned(64))) uint16_t pt[16 * 32];            /* P^T, pairs of keys */
+    __attribute__((aligned(64))) float ot[256 * QT];              /* O^T */
+
+    /* Q^T as the second operand: row r of slab j holds dims (32j + 2r, +1) of each query. */
+    for (int64_t i = 0; i < QT; i++) {
+        const uint16_t *row = q + (q0 + (i < rows ? i : 0)) * q_stride + hq * D;
+        for (int64_t d = 0; d < D; d++)
+            qt[d / 32][((d % 32) / 2) * 32 + 2 * i + d % 2] = i < rows ? row[d] : 0;
+    }
+    int32_t pos_lanes[QT]; /* padding lanes repeat the last row's position */
+    for (int64_t i = 0; i < QT; i++)
+        pos_lanes[i] = (int32_t)(first_pos + (i < rows ? i : rows - 1));
+    const __m512i pos = _mm512_loadu_si512(pos_lanes);
+    const __m512 neg_inf = _mm512_set1_ps(-INFINITY), scale_v = _mm512_set1_ps(scale);
+    /* interleaves two rows of 16 bf16 (low and high half of a vector) into pairs */
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                           24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                           16, 0);
+    __m512 m = neg_inf, l = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d++)
+        _mm512_store_ps(ot + d * QT, _mm512_setzero_ps());
+
+    for (int64_t c = 0; c < chunks; c++) {
+        /* S^T = K . Q^T, in two tiles of 16 keys (one block's worth each) */
+        const uint16_t *k[2] = {NULL, NULL};
+        for (int half = 0; half < 2; half++) {
+            const int64_t t0 = c * KC + half * 16;
+            if (t0 < ctx)
+                k[half] = k_cache + (slot_of(blocks, block_size, t0) * Hkv + h) * D;
+        }
+        if (D == 64)
+            scores_d64(k, Hkv * D * 2, qt[0], s);
+        else
+            scores(k, Hkv * D * 2, D, qt, s);
+
+        /* online softmax, a key at a time; lanes are queries */
+        const int masked = c * KC + KC - 1 > first_pos;
+        __m512 x[KC], chunk_max = neg_inf;
+        for (int k = 0; k < KC; k++) {
+            x[k] = _mm512_mul_ps(_mm512_load_ps(s + k * QT), scale_v);
+            if (masked) {
+                const __mmask16 ok = _mm512_cmple_epi32_mask(_mm512_set1_epi32(c * KC + k), pos);
+                x[k] = _mm512_mask_blend_ps(ok, neg_inf, x[k]);
+            }
+            chunk_max = _mm512_max_ps(chunk_max, x[k]);
+        }
+        const __m512 m_new = _mm512_max_ps(m, chunk_max); /* finite: key 0 is in chunk 0 */
+        const __m512 alpha = exp512(_mm512_sub_ps(m, m_new));
+        m = m_new;
+        __m512 sum = _mm512_setzero_ps();
+        for (int k = 0; k < KC; k += 2) {
+            __m512 p0 = exp512(_mm512_sub_ps(x[k], m)), p1 = exp512(_mm512_sub_ps(x[k + 1], m));
+            if (masked) { /* e^-inf is not quite 0 in exp512 */
+                p0 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x[k], neg_inf, _CMP_NEQ_OQ), p0);
+                p1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x[k + 1], neg_inf, _CMP_NEQ_OQ), p1);
+            }
+            sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+            const __m512i two = (__m512i)_mm512_cvtne2ps_pbh(p1, p0); /* [p0 | p1] as bf16 */
+            _mm512_store_si512(pt + (k / 2) * 32, _mm512_permutexvar_epi16(pairs, two));
+        }
+        l = _mm512_fmadd_ps(l, alpha, sum);
+        if (_mm512_cmp_ps_mask(alpha, _mm512_set1_ps(1.f), _CMP_NEQ_UQ)) /* a new max */
+            for (int64_t d = 0; d < D; d++)
+                _mm512_store_ps(ot + d * QT, _mm512_mul_ps(_mm512_load_ps(ot + d * QT), alpha));
+
+        /* O^T += V^T . P^T */
+        const uint16_t *v = vt + (h * ((ctx + KC - 1) / KC) + c) * vt_chunk;
+        if (D == 64)
+            values_d64(pt, v, ot);
+        else
+            values(pt, v, D, ot);
+    }
+
+    __attribute__((aligned(64))) float inv_l[QT];
+    _mm512_store_ps(inv_l, _mm512_div_ps(_mm512_set1_ps(1.f), l));
+    for (int64_t i = 0; i < rows; i++) {
+        uint16_t *row = out + (q0 + i) * out_stride + hq * D;
+        for (int64_t d = 0; d < D; d++)
+            row[d] = float_to_bf16(ot[d * QT + i] * inv_l[i]);
+    }
+}
+
+#endif
+
+/* Bytes of scratch a call needs for its packed V. */
+int64_t paged_prefill_scratch_bytes(int64_t ctx, int64_t Hkv, int64_t D)
+{
+    return Hkv * ((ctx + KC - 1) / KC) * D * KC * 2;
+}
+
+/* 1 where this build has the kernel and Linux lets this process use the tile unit. */
+int64_t paged_prefill_available(void)
+{
+#ifdef HAVE_AMX
+    return amx_granted();
+#else
+    return 0;
+#endif
+}
+
+void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
+                        const uint16_t *v_cache, const int64_t *blocks, int64_t block_size,
+                        int64_t n, int64_t ctx, int64_t Hq, int64_t Hkv, int64_t D, float scale,
+                        uint16_t *out, int64_t out_stride, uint16_t *scratch)
+{
+#ifdef HAVE_AMX
+    const int64_t chunks = (ctx + KC - 1) / KC, tiles = (n + QT - 1) / QT;
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t hc = 0; hc < Hkv * chunks; hc++)
+            pack_vt(v_cache, blocks, block_size, ctx, Hkv, D, hc / chunks, hc % chunks,
+                    scratch + hc * D * KC);
+        struct tile_config cfg = {.palette = 1};
+        for (int t = 0; t < 8; t++) {
+            cfg.rows[t] = 16;
+            cfg.bytes_per_row[t] = 64;
+        }
+        _tile_loadconfig(&cfg);
+        /* the last query tiles see the most keys: hand them out first */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < Hq * tiles; item++) {
+            const int64_t tile = tiles - 1 - item / Hq, hq = item % Hq;
+            attend_tile(q, q_stride, k_cache, scratch, blocks, block_size, n, ctx, Hq, Hkv, D,
+                        hq, tile * QT, scale, out, out_stride);
+        }
+        _tile_release();
+    }
+#else
+    (void)q, (void)q_stride, (void)k_cache, (void)v_cache, (void)blocks, (void)block_size;
+    (void)n, (void)ctx, (void)Hq, (void)Hkv, (void)D, (void)scale, (void)out, (void)out_stride;
+    (void)scratch;
+    abort(); /* callers ask paged_prefill_available() first */
+#endif
+}

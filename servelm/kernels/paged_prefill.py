@@ -1,0 +1,104 @@
+"""The CPU prefill attention of `paged_prefill.c` (AMX tiles), called on torch tensors.
+
+    kernel = PagedPrefillKernel.load(torch.bfloat16, head_dim=64, block_size=16)  # None: SDPA
+    kernel(q, k_cache, v_cache, blocks, context_len, scale, out)
+
+q [n, Hq, D]: the n newest tokens of one sequence (rows may be strided views into a fused
+projection output), already stored in the caches [num_slots, Hkv, D] with the rest of its
+context; blocks: its block table (int64); out [n, Hq, D], written in place (a row view of the
+step's output is fine). Query i sits at position context_len - n + i and sees keys up to it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from servelm.kernels.build import load_library
+from servelm.kernels.paged_decode import rows_of_heads
+
+SOURCE = Path(__file__).with_name("paged_prefill.c")
+
+# q, q_stride, k_cache, v_cache, blocks, block_size, n, ctx, Hq, Hkv, D, scale, out,
+# out_stride, scratch
+_ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
+_ARGTYPES = [_ptr, _i64, _ptr, _ptr, _ptr] + [_i64] * 6 + [ctypes.c_float, _ptr, _i64, _ptr]
+
+
+class PagedPrefillKernel:
+    name = "paged_prefill_bf16 (AMX)"
+
+    def __init__(self, lib: ctypes.CDLL, head_dim: int) -> None:
+        self.fn = lib.paged_prefill_bf16
+        self.fn.argtypes, self.fn.restype = _ARGTYPES, None
+        self.scratch_bytes = lib.paged_prefill_scratch_bytes
+        self.scratch_bytes.argtypes, self.scratch_bytes.restype = [_i64] * 3, _i64
+        self.head_dim = head_dim
+        self._scratch = torch.empty(0, dtype=torch.uint8)  # V^T packed, grown as needed
+
+    @classmethod
+    def load(cls, dtype: torch.dtype, head_dim: int, block_size: int) -> PagedPrefillKernel | None:
+        """The kernel, or None where there is none: not bfloat16, a head size that is not a
+        multiple of 32 up to 256, blocks not a multiple of 16 tokens, no C compiler, or a CPU
+        (or kernel) without AMX tiles."""
+        if dtype != torch.bfloat16 or head_dim % 32 or head_dim > 256 or block_size % 16:
+            return None
+        lib = load_library(SOURCE)
+        if lib is None:
+            return None
+        lib.paged_prefill_available.restype = _i64
+        return cls(lib, head_dim) if lib.paged_prefill_available() else None
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        blocks: torch.Tensor,
+        block_size: int,
+        context_len: int,
+        scale: float,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        q = rows_of_heads(q)
+        n, num_heads, d = q.shape
+        num_kv_heads = k_cache.shape[1]
+        if not (q.dtype == k_cache.dtype == v_cache.dtype == out.dtype == torch.bfloat16):
+            raise ValueError("this kernel is for bfloat16 tensors")
+        if (
+            d != self.head_dim
+            or k_cache.shape != v_cache.shape
+            or k_cache.shape[2] != d
+            or num_heads % num_kv_heads
+            or out.shape != q.shape
+            or not 0 < n <= context_len
+            or blocks.numel() * block_size < context_len
+        ):
+            raise ValueError("q, caches, blocks, out or context length: shapes disagree")
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous() and blocks.is_contiguous()):
+            raise ValueError("caches and the block table must be contiguous")
+        if blocks.dtype != torch.int64 or out.stride(2) != 1 or out.stride(1) != d:
+            raise ValueError("blocks must be int64 and out's heads side by side")
+        need = self.scratch_bytes(context_len, num_kv_heads, d)
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(max(need, 2 * self._scratch.numel()), dtype=torch.uint8)
+        self.fn(
+            q.data_ptr(),
+            q.stride(0),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            blocks.data_ptr(),
+            block_size,
+            n,
+            context_len,
+            num_heads,
+            num_kv_heads,
+            d,
+            scale,
+            out.data_ptr(),
+            out.stride(0),
+            self._scratch.data_ptr(),
+        )
+        return out

@@ -1,0 +1,127 @@
+"""The AMX prefill-attention kernel against a float64 reference and torch's SDPA path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from servelm.kernels.paged_prefill import PagedPrefillKernel
+from servelm.worker.attention import TorchPagedAttention
+from tests.kernels.test_paged_decode import scattered_tables
+
+needs_amx = pytest.mark.skipif(
+    PagedPrefillKernel.load(torch.bfloat16, 64, 16) is None,
+    reason="no C compiler, or a CPU without AMX tiles",
+)
+TOLERANCE = 1.6e-2  # the bf16 output's own rounding (~1e-2 at |x| ~ 2) plus P rounded to bf16
+
+
+def reference(q, k_cache, v_cache, table, block, ctx, scale):
+    """q [n, Hq, D] at the last n of ctx positions, causal, in float64."""
+    n, hq, hkv = q.shape[0], q.shape[1], k_cache.shape[1]
+    slots = torch.tensor([table[t // block] * block + t % block for t in range(ctx)])
+    k = k_cache[slots].double().repeat_interleave(hq // hkv, dim=1)  # [ctx, Hq, D]
+    v = v_cache[slots].double().repeat_interleave(hq // hkv, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    allowed = torch.arange(ctx)[None, :] <= torch.arange(ctx - n, ctx)[:, None]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def run_kernel(kernel, q, caches, table, block, ctx, scale):
+    out = torch.empty(q.shape, dtype=torch.bfloat16)
+    blocks = torch.tensor(table, dtype=torch.int64)
+    return kernel(q, caches[0], caches[1], blocks, block, ctx, scale, out)
+
+
+@needs_amx
+@pytest.mark.parametrize(
+    "d,hq,hkv,block", [(64, 9, 3, 16), (128, 8, 2, 16), (32, 6, 2, 32), (64, 4, 4, 32)]
+)
+def test_prefill_matches_reference(d, hq, hkv, block):
+    # n == ctx: a fresh prompt; n < ctx: a chunk after cached tokens (a prefix-cache hit or a
+    # later chunk). Sizes cover one token, part of a 16-query tile, whole 32-key chunks and the
+    # rests of both, a context ending in the first half of its last chunk, and a long one.
+    kernel = PagedPrefillKernel.load(torch.bfloat16, d, block)
+    g = torch.Generator().manual_seed(d + hq)
+    num_blocks = 160
+    caches = [torch.randn(num_blocks * block, hkv, d, generator=g).bfloat16() for _ in range(2)]
+    scale = d**-0.5
+    for n, ctx in [(1, 1), (7, 7), (16, 16), (40, 40), (1, 300), (5, 300), (37, 100),
+                   (100, 1100), (33, 1041)]:  # fmt: skip
+        (table,) = scattered_tables([ctx], num_blocks * 16 // block, seed=ctx)
+        table = [b % num_blocks for b in table]
+        # q as a strided view into a fused projection output, as the model hands it over
+        qkv = torch.randn(n, hq + 2 * hkv, d, generator=g).bfloat16() * 2
+        q = qkv[:, :hq]
+        got = run_kernel(kernel, q, caches, table, block, ctx, scale)
+        want = reference(q, *caches, table, block, ctx, scale)
+        err = (got.double() - want).abs().max().item()
+        assert err < TOLERANCE, (n, ctx, err)
+
+
+@needs_amx
+def test_slots_past_the_context_are_never_read():
+    # The last block's slots past the context hold poison (a reused block's old rows, here
+    # NaN): keys there are masked, values there packed as zeros, so the output stays finite.
+    d, hq, hkv, block, ctx = 64, 9, 3, 16, 37  # 37: the last chunk's second half is past it
+    kernel = PagedPrefillKernel.load(torch.bfloat16, d, block)
+    g = torch.Generator().manual_seed(1)
+    caches = [torch.randn(8 * block, hkv, d, generator=g).bfloat16() for _ in range(2)]
+    table = [5, 2, 7]
+    for cache in caches:
+        cache[7 * block + ctx % block : 8 * block] = float("nan")
+    q = torch.randn(ctx, hq, d, generator=g).bfloat16()
+    got = run_kernel(kernel, q, caches, table, block, ctx, d**-0.5)
+    want = reference(q, *caches, table, block, ctx, d**-0.5)
+    assert torch.isfinite(got).all()
+    assert (got.double() - want).abs().max().item() < TOLERANCE
+
+
+@needs_amx
+def test_attention_layer_with_and_without_the_kernel_agree():
+    # One step mixing a decode, a chunk after 50 cached tokens and a fresh 21-token prompt,
+    # through TorchPagedAttention with the kernel and with SDPA + masks: the same outputs.
+    d, hq, hkv, block = 64, 9, 3, 16
+    kernel = PagedPrefillKernel.load(torch.bfloat16, d, block)
+    g = torch.Generator().manual_seed(2)
+    seqs = [(30, 1, [3, 4]), (50, 19, [0, 1, 2, 9, 10]), (0, 21, [5, 6])]
+    t = sum(new for _, new, _ in seqs)
+    q = torch.randn(t, hq, d, generator=g).bfloat16()
+    k = torch.randn(t, hkv, d, generator=g).bfloat16()
+    v = torch.randn(t, hkv, d, generator=g).bfloat16()
+    base = [torch.randn(12 * block, hkv, d, generator=g).bfloat16() for _ in range(2)]
+    outs = []
+    for prefill in (kernel, None):
+        caches = [tuple(c.clone() for c in base)]
+        attn = TorchPagedAttention(caches, d**-0.5, block, prefill_kernel=prefill)
+        attn.plan(seqs, torch.device("cpu"), torch.bfloat16)
+        masks = [chunk.causal is not None for chunk in attn.meta.prefills]
+        assert masks == ([False, False] if prefill else [True, False])  # no mask for the kernel
+        outs.append(attn(0, q, k, v).float())
+    assert (outs[0] - outs[1]).abs().max().item() < TOLERANCE
+
+
+def test_load_declines_what_it_cannot_run():
+    assert PagedPrefillKernel.load(torch.float32, 64, 16) is None
+    assert PagedPrefillKernel.load(torch.bfloat16, 48, 16) is None  # not a multiple of 32
+    assert PagedPrefillKernel.load(torch.bfloat16, 64, 8) is None  # half a key tile per block
+
+
+@needs_amx
+def test_bad_shapes_are_refused():
+    kernel = PagedPrefillKernel.load(torch.bfloat16, 64, 16)
+    cache = torch.zeros(64, 3, 64, dtype=torch.bfloat16)
+    blocks = torch.tensor([0, 1], dtype=torch.int64)
+    q = torch.zeros(5, 9, 64, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    ok = (q, cache, cache, blocks, 16, 20, 0.125, out)
+    kernel(*ok)
+    for bad in (
+        (q, cache, cache, blocks, 16, 40, 0.125, out),  # context longer than its blocks
+        (q, cache, cache, blocks, 16, 4, 0.125, out),  # more queries than context
+        (q[:, :8], cache, cache, blocks, 16, 20, 0.125, out[:, :8]),  # 8 heads over 3
+        (q, cache, cache, blocks, 16, 20, 0.125, out[:4]),
+    ):
+        with pytest.raises(ValueError, match="shapes disagree"):
+            kernel(*bad)
