@@ -33,22 +33,20 @@
 
 #ifdef HAVE_AMX
 
-/* e^x for 16 lanes: exp_approx's range reduction and series, with 2^n from vscalefps. */
-INLINE __m512 exp512(__m512 x)
+/* 2^y for 16 lanes of y <= 0: 2^round(y) from vscalefps times 2^f, |f| <= 1/2, from its Taylor
+ * series to f^5 (relative error below 3e-6, far inside P's bfloat16 rounding). Below -126
+ * (where float32 runs out) it gives 2^-126; masked lanes are zeroed by the caller. */
+INLINE __m512 exp2_512(__m512 y)
 {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-06f), r);
-    __m512 p = _mm512_set1_ps(1.f / 5040);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    y = _mm512_max_ps(y, _mm512_set1_ps(-126.f));
+    const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(y, n);
+    __m512 p = _mm512_set1_ps(1.33335581e-3f); /* ln2^5 / 5! */
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.61812911e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.55041087e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.40226507e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93147181e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
     return _mm512_scalef_ps(p, n);
 }
 
@@ -174,6 +172,23 @@ static void values_d64(const uint16_t *pt, const uint16_t *v, float *ot)
     _tile_stored(3, ot + 48 * QT, 64);
 }
 
+/* S^T of chunk c of KV head h into s. */
+INLINE void chunk_scores(const uint16_t *k_cache, const int64_t *blocks, int64_t block_size,
+                         int64_t ctx, int64_t Hkv, int64_t D, int64_t h, int64_t c,
+                         const uint16_t (*qt)[16 * 32], float *s)
+{
+    const uint16_t *k[2] = {NULL, NULL};
+    for (int half = 0; half < 2; half++) { /* 16 keys: one block's worth (or part of one) */
+        const int64_t t0 = c * KC + half * 16;
+        if (t0 < ctx)
+            k[half] = k_cache + (slot_of(blocks, block_size, t0) * Hkv + h) * D;
+    }
+    if (D == 64)
+        scores_d64(k, Hkv * D * 2, qt[0], s);
+    else
+        scores(k, Hkv * D * 2, D, qt, s);
+}
+
 /* One tile of queries of one head: see the header. */
 static void attend_tile(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
                         const uint16_t *vt, const int64_t *blocks, int64_t block_size, int64_t n,
@@ -184,21 +199,28 @@ static void attend_tile(const uint16_t *q, int64_t q_stride, const uint16_t *k_c
     const int64_t first_pos = ctx - n + q0, last_pos = first_pos + rows - 1;
     const int64_t chunks = last_pos / KC + 1, vt_chunk = D * KC;
     __attribute__((aligned(64))) uint16_t qt[256 / 32][16 * 32]; /* Q^T, pairs of dims */
-    __attribute__((aligned(64))) float s[KC * QT];                /* S^T of a chunk */
+    __attribute__((aligned(64))) float s[2][KC * QT];             /* S^T of two chunks */
     __attribute__((aligned(64))) uint16_t pt[16 * 32];            /* P^T, pairs of keys */
     __attribute__((aligned(64))) float ot[256 * QT];              /* O^T */
 
-    /* Q^T as the second operand: row r of slab j holds dims (32j + 2r, +1) of each query. */
-    for (int64_t i = 0; i < QT; i++) {
-        const uint16_t *row = q + (q0 + (i < rows ? i : 0)) * q_stride + hq * D;
-        for (int64_t d = 0; d < D; d++)
-            qt[d / 32][((d % 32) / 2) * 32 + 2 * i + d % 2] = i < rows ? row[d] : 0;
-    }
+    /* Q^T as the second operand: row r of slab j holds dims (32j + 2r, +1) of each query,
+     * that is, as 32-bit words, word 16j + r of each query's row, gathered across the rows */
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __mmask16 real = (__mmask16)((1u << rows) - 1);
+    const __m512i row_words = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)(q_stride / 2)));
+    const int *q_words = (const int *)(q + q0 * q_stride + hq * D);
+    for (int64_t w = 0; w < D / 2; w++)
+        _mm512_store_si512(qt[w / 16] + (w % 16) * 32,
+                           _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), real,
+                                                       _mm512_add_epi32(row_words,
+                                                                        _mm512_set1_epi32(w)),
+                                                       q_words, 4));
     int32_t pos_lanes[QT]; /* padding lanes repeat the last row's position */
     for (int64_t i = 0; i < QT; i++)
         pos_lanes[i] = (int32_t)(first_pos + (i < rows ? i : rows - 1));
     const __m512i pos = _mm512_loadu_si512(pos_lanes);
-    const __m512 neg_inf = _mm512_set1_ps(-INFINITY), scale_v = _mm512_set1_ps(scale);
+    const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+    const __m512 log2_scale = _mm512_set1_ps(scale * 1.44269504f);
     /* interleaves two rows of 16 bf16 (low and high half of a vector) into pairs */
     const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
                                            24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
@@ -207,40 +229,32 @@ static void attend_tile(const uint16_t *q, int64_t q_stride, const uint16_t *k_c
     for (int64_t d = 0; d < D; d++)
         _mm512_store_ps(ot + d * QT, _mm512_setzero_ps());
 
+    /* S^T of the next chunk goes to the tile unit before this chunk's softmax, which then
+     * runs while the products and their store complete */
+    chunk_scores(k_cache, blocks, block_size, ctx, Hkv, D, h, 0, qt, s[0]);
     for (int64_t c = 0; c < chunks; c++) {
-        /* S^T = K . Q^T, in two tiles of 16 keys (one block's worth each) */
-        const uint16_t *k[2] = {NULL, NULL};
-        for (int half = 0; half < 2; half++) {
-            const int64_t t0 = c * KC + half * 16;
-            if (t0 < ctx)
-                k[half] = k_cache + (slot_of(blocks, block_size, t0) * Hkv + h) * D;
-        }
-        if (D == 64)
-            scores_d64(k, Hkv * D * 2, qt[0], s);
-        else
-            scores(k, Hkv * D * 2, D, qt, s);
+        const float *sc = s[c & 1];
+        if (c + 1 < chunks)
+            chunk_scores(k_cache, blocks, block_size, ctx, Hkv, D, h, c + 1, qt, s[(c + 1) & 1]);
 
-        /* online softmax, a key at a time; lanes are queries */
+        /* online softmax, in log2 units (scores times scale * log2 e); lanes are queries */
         const int masked = c * KC + KC - 1 > first_pos;
-        __m512 x[KC], chunk_max = neg_inf;
+        __mmask16 ok[KC];
+        __m512 chunk_max = neg_inf;
         for (int k = 0; k < KC; k++) {
-            x[k] = _mm512_mul_ps(_mm512_load_ps(s + k * QT), scale_v);
-            if (masked) {
-                const __mmask16 ok = _mm512_cmple_epi32_mask(_mm512_set1_epi32(c * KC + k), pos);
-                x[k] = _mm512_mask_blend_ps(ok, neg_inf, x[k]);
-            }
-            chunk_max = _mm512_max_ps(chunk_max, x[k]);
+            ok[k] = masked ? _mm512_cmple_epi32_mask(_mm512_set1_epi32(c * KC + k), pos) : 0xffff;
+            chunk_max = _mm512_mask_max_ps(chunk_max, ok[k], chunk_max, _mm512_load_ps(sc + k * QT));
         }
-        const __m512 m_new = _mm512_max_ps(m, chunk_max); /* finite: key 0 is in chunk 0 */
-        const __m512 alpha = exp512(_mm512_sub_ps(m, m_new));
+        /* finite: key 0 is in chunk 0 */
+        const __m512 m_new = _mm512_max_ps(m, _mm512_mul_ps(chunk_max, log2_scale));
+        const __m512 alpha = exp2_512(_mm512_sub_ps(m, m_new));
         m = m_new;
         __m512 sum = _mm512_setzero_ps();
         for (int k = 0; k < KC; k += 2) {
-            __m512 p0 = exp512(_mm512_sub_ps(x[k], m)), p1 = exp512(_mm512_sub_ps(x[k + 1], m));
-            if (masked) { /* e^-inf is not quite 0 in exp512 */
-                p0 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x[k], neg_inf, _CMP_NEQ_OQ), p0);
-                p1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x[k + 1], neg_inf, _CMP_NEQ_OQ), p1);
-            }
+            const __m512 s0 = _mm512_load_ps(sc + k * QT), s1 = _mm512_load_ps(sc + (k + 1) * QT);
+            const __m512 p0 = _mm512_maskz_mov_ps(ok[k], exp2_512(_mm512_fmsub_ps(s0, log2_scale, m)));
+            const __m512 p1 =
+                _mm512_maskz_mov_ps(ok[k + 1], exp2_512(_mm512_fmsub_ps(s1, log2_scale, m)));
             sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
             const __m512i two = (__m512i)_mm512_cvtne2ps_pbh(p1, p0); /* [p0 | p1] as bf16 */
             _mm512_store_si512(pt + (k / 2) * 32, _mm512_permutexvar_epi16(pairs, two));
@@ -260,10 +274,15 @@ static void attend_tile(const uint16_t *q, int64_t q_stride, const uint16_t *k_c
 
     __attribute__((aligned(64))) float inv_l[QT];
     _mm512_store_ps(inv_l, _mm512_div_ps(_mm512_set1_ps(1.f), l));
-    for (int64_t i = 0; i < rows; i++) {
+    const __m512i dim_rows = _mm512_mullo_epi32(lane, _mm512_set1_epi32(QT));
+    for (int64_t i = 0; i < rows; i++) { /* row i of O: column i of O^T */
         uint16_t *row = out + (q0 + i) * out_stride + hq * D;
-        for (int64_t d = 0; d < D; d++)
-            row[d] = float_to_bf16(ot[d * QT + i] * inv_l[i]);
+        for (int64_t d = 0; d < D; d += 16) {
+            const __m512i at = _mm512_add_epi32(dim_rows, _mm512_set1_epi32((int)(d * QT + i)));
+            const __m512 o = _mm512_i32gather_ps(at, ot, 4);
+            _mm256_storeu_si256((__m256i *)(row + d),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(o, _mm512_set1_ps(inv_l[i]))));
+        }
     }
 }
 

@@ -63,6 +63,8 @@ class PagedPrefillKernel:
         out: torch.Tensor,
     ) -> torch.Tensor:
         q = rows_of_heads(q)
+        if q.stride(0) % 2:  # the kernel reads q's rows as 32-bit words
+            q = q.contiguous()
         n, num_heads, d = q.shape
         num_kv_heads = k_cache.shape[1]
         if not (q.dtype == k_cache.dtype == v_cache.dtype == out.dtype == torch.bfloat16):
