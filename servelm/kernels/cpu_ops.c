@@ -158,7 +158,8 @@ void add_rms_norm_bf16(void *x_, const void *delta_, const void *w_, void *out_,
         }
         const __m512 inv = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(sum) / (float)H + eps));
         for (int64_t i = 0; i < H; i += 16)
-            store16(o + i, _mm512_mul_ps(load16(w + i), round16(_mm512_mul_ps(load16(xr + i), inv))));
+            store16(o + i,
+                    _mm512_mul_ps(load16(w + i), round16(_mm512_mul_ps(load16(xr + i), inv))));
     }
 }
 

@@ -14,9 +14,9 @@
  * Transposed so that the 16 lanes of a vector are the 16 queries: the softmax needs no
  * horizontal reductions and P^T is a tile operand as it comes. K tiles are 16 keys of one block
  * (block_size % 16 == 0) read through the block table; V is packed once per call as V^T, 32
- * keys by 16 dims a tile, into `scratch` (vt_bytes() of it). P is rounded to bfloat16 for its
- * product with V, as torch's flash attention does. Keys at and past ctx are masked, their V
- * packed as zeros; a half chunk wholly past ctx is not read.
+ * keys by 16 dims a tile, into `scratch` (paged_prefill_scratch_bytes() of it). P is rounded
+ * to bfloat16 for its product with V, as torch's flash attention does. Keys at and past ctx
+ * are masked, their V packed as zeros; a half chunk wholly past ctx is not read.
  *
  * Layouts (elements, row-major): q [n, Hq, D] rows q_stride apart; caches [slots, Hkv, D];
  * blocks: the sequence's block table; out [n, Hq, D] rows out_stride apart. D % 32 == 0, at
@@ -243,7 +243,8 @@ static void attend_tile(const uint16_t *q, int64_t q_stride, const uint16_t *k_c
         __m512 chunk_max = neg_inf;
         for (int k = 0; k < KC; k++) {
             ok[k] = masked ? _mm512_cmple_epi32_mask(_mm512_set1_epi32(c * KC + k), pos) : 0xffff;
-            chunk_max = _mm512_mask_max_ps(chunk_max, ok[k], chunk_max, _mm512_load_ps(sc + k * QT));
+            const __m512 sk = _mm512_load_ps(sc + k * QT);
+            chunk_max = _mm512_mask_max_ps(chunk_max, ok[k], chunk_max, sk);
         }
         /* finite: key 0 is in chunk 0 */
         const __m512 m_new = _mm512_max_ps(m, _mm512_mul_ps(chunk_max, log2_scale));
@@ -252,7 +253,8 @@ static void attend_tile(const uint16_t *q, int64_t q_stride, const uint16_t *k_c
         __m512 sum = _mm512_setzero_ps();
         for (int k = 0; k < KC; k += 2) {
             const __m512 s0 = _mm512_load_ps(sc + k * QT), s1 = _mm512_load_ps(sc + (k + 1) * QT);
-            const __m512 p0 = _mm512_maskz_mov_ps(ok[k], exp2_512(_mm512_fmsub_ps(s0, log2_scale, m)));
+            const __m512 p0 =
+                _mm512_maskz_mov_ps(ok[k], exp2_512(_mm512_fmsub_ps(s0, log2_scale, m)));
             const __m512 p1 =
                 _mm512_maskz_mov_ps(ok[k + 1], exp2_512(_mm512_fmsub_ps(s1, log2_scale, m)));
             sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
@@ -280,8 +282,8 @@ static void attend_tile(const uint16_t *q, int64_t q_stride, const uint16_t *k_c
         for (int64_t d = 0; d < D; d += 16) {
             const __m512i at = _mm512_add_epi32(dim_rows, _mm512_set1_epi32((int)(d * QT + i)));
             const __m512 o = _mm512_i32gather_ps(at, ot, 4);
-            _mm256_storeu_si256((__m256i *)(row + d),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(o, _mm512_set1_ps(inv_l[i]))));
+            const __m512 scaled = _mm512_mul_ps(o, _mm512_set1_ps(inv_l[i]));
+            _mm256_storeu_si256((__m256i *)(row + d), (__m256i)_mm512_cvtneps_pbh(scaled));
         }
     }
 }
