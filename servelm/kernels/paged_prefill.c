@@ -50,6 +50,14 @@ INLINE __m512 exp2_512(__m512 y)
     return _mm512_scalef_ps(p, n);
 }
 
+/* The permutation that interleaves two rows of 16 bf16 (the low and high half of a vector)
+ * into pairs: a0 b0 a1 b1 ... */
+INLINE __m512i pair_up(void)
+{
+    return _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                            6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+}
+
 /* The slot of token t through the block table. */
 INLINE int64_t slot_of(const int64_t *blocks, int64_t block_size, int64_t t)
 {
@@ -62,9 +70,7 @@ INLINE int64_t slot_of(const int64_t *blocks, int64_t block_size, int64_t t)
 static void pack_vt(const uint16_t *v_cache, const int64_t *blocks, int64_t block_size,
                     int64_t ctx, int64_t Hkv, int64_t D, int64_t h, int64_t c, uint16_t *dst)
 {
-    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
-                                           24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
-                                           16, 0);
+    const __m512i pairs = pair_up();
     const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7,
                                                                6, 5, 4, 3, 2, 1, 0),
                                               _mm512_set1_epi32(16));
@@ -221,10 +227,7 @@ static void attend_tile(const uint16_t *q, int64_t q_stride, const uint16_t *k_c
     const __m512i pos = _mm512_loadu_si512(pos_lanes);
     const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
     const __m512 log2_scale = _mm512_set1_ps(scale * 1.44269504f);
-    /* interleaves two rows of 16 bf16 (low and high half of a vector) into pairs */
-    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
-                                           24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
-                                           16, 0);
+    const __m512i pairs = pair_up();
     __m512 m = neg_inf, l = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; d++)
         _mm512_store_ps(ot + d * QT, _mm512_setzero_ps());
