@@ -14,6 +14,7 @@ import torch
 
 from servelm import LLM, SamplingParams
 from servelm.kernels.build import compiler
+from servelm.kernels.paged_prefill import PagedPrefillKernel
 from tests.golden import TOP, assert_close_greedy, hf_greedy, our_tops
 
 pytestmark = pytest.mark.slow
@@ -174,6 +175,11 @@ def test_bfloat16_serving_weights_match(default_model_dir, reference, prompts, q
     # with the C kernels, the file's Q8_0 head is served from its int8 values
     q8_head = int4 and compiler() is not None
     assert (llm.engine.executor.model.head_q8 is not None) == q8_head
+    # on an AMX CPU the prompts (and, teacher-forced below, their cached prefixes) go through
+    # the prefill attention kernel
+    amx = PagedPrefillKernel.load(torch.bfloat16, 64, 16) is not None
+    summary = llm.engine.executor.kernel_summary
+    assert ("prefill attention: C paged_prefill_bf16" in summary) == amx, summary
     check(llm, reference, prompts)  # the golden rule, free-running
     forced, want = [], []
     for prompt in prompts:

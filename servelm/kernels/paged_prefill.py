@@ -39,13 +39,16 @@ class PagedPrefillKernel:
         self._scratch = torch.empty(0, dtype=torch.uint8)  # V^T packed, grown as needed
 
     @classmethod
-    def load(cls, dtype: torch.dtype, head_dim: int, block_size: int) -> PagedPrefillKernel | None:
+    def load(
+        cls, dtype: torch.dtype, head_dim: int, block_size: int, extra_flags: tuple[str, ...] = ()
+    ) -> PagedPrefillKernel | None:
         """The kernel, or None where there is none: not bfloat16, a head size that is not a
         multiple of 32 up to 256, blocks not a multiple of 16 tokens, no C compiler, or a CPU
-        (or kernel) without AMX tiles."""
+        (or kernel) without AMX tiles. `extra_flags`: for the compiler (tests build it
+        without AMX this way)."""
         if dtype != torch.bfloat16 or head_dim % 32 or head_dim > 256 or block_size % 16:
             return None
-        lib = load_library(SOURCE)
+        lib = load_library(SOURCE, extra_flags)
         if lib is None:
             return None
         lib.paged_prefill_available.restype = _i64
