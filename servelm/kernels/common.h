@@ -1,5 +1,5 @@
-/* What servelm's C kernels share: bfloat16 <-> float32 as torch converts, float16 -> float32, and a
- * vectorizable e^x.
+/* What servelm's C kernels share: bfloat16 <-> float32 as torch converts, float16 -> float32, a
+ * vectorizable e^x, the same for 16 AVX-512 lanes, and the AMX tile registers.
  * Included by each kernel source; `build.py` hashes it with them. */
 
 #ifndef SERVELM_KERNELS_COMMON_H
@@ -68,6 +68,59 @@ INLINE float exp_approx(float x)
     memcpy(&two_n, &bits, sizeof two_n);
     return p * two_n;
 }
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* 16 bfloat16 at p -> 16 float32 lanes (exactly) */
+INLINE __m512 load_bf16(const uint16_t *p)
+{
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+/* 16 float32 lanes -> 16 bfloat16 at dst, rounded to nearest even (with AVX-512 BF16 in one
+ * instruction; without it, as float_to_bf16 rounds) */
+INLINE void store_bf16(uint16_t *dst, __m512 v)
+{
+#if defined(__AVX512BF16__)
+    _mm256_storeu_si256((__m256i *)dst, (__m256i)_mm512_cvtneps_pbh(v));
+#else
+    float f[16];
+    _mm512_storeu_ps(f, v);
+    for (int i = 0; i < 16; i++)
+        dst[i] = float_to_bf16(f[i]);
+#endif
+}
+
+#if defined(__AVX512BF16__)
+/* v rounded to bfloat16 and back, as storing and loading it would */
+INLINE __m512 round_bf16_16(__m512 v)
+{
+    const __m512i wide = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+#endif
+
+/* exp_approx for 16 lanes: the same reduction and series, 2^n from vscalefps */
+INLINE __m512 exp_approx16(__m512 x)
+{
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-06f), r);
+    __m512 p = _mm512_set1_ps(1.f / 5040);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
 
 /* AMX (Sapphire Rapids and later): the tile registers, where the compiler targets them. */
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)

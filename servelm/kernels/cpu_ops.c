@@ -96,44 +96,7 @@ DEFINE_OPS(f32, 0)
  * convert instruction (to nearest even, as float_to_bf16) instead of in integer code, where
  * a row is a whole number of vectors; other rows take the loops above. Timed inside the
  * default model's steps: a 1,108-token prefill's norms, rotary and SiLU from 51.5 to 32.1 ms. */
-#include <immintrin.h>
-
 DEFINE_OPS(bf16_scalar, 1)
-
-INLINE __m512 load16(const uint16_t *p)
-{
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
-INLINE __m256i to_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
-
-INLINE void store16(uint16_t *p, __m512 v) { _mm256_storeu_si256((__m256i *)p, to_bf16(v)); }
-
-INLINE __m512 round16(__m512 v)
-{
-    const __m512i wide = _mm512_cvtepu16_epi32(to_bf16(v));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
-/* e^x: exp_approx, 16 lanes */
-INLINE __m512 exp16(__m512 x)
-{
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-06f), r);
-    __m512 p = _mm512_set1_ps(1.f / 5040);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, n);
-}
 
 void add_rms_norm_bf16(void *x_, const void *delta_, const void *w_, void *out_, int64_t T,
                        int64_t H, float eps)
@@ -149,17 +112,18 @@ void add_rms_norm_bf16(void *x_, const void *delta_, const void *w_, void *out_,
         uint16_t *xr = x + t * H, *o = out + t * H;
         __m512 sum = _mm512_setzero_ps();
         for (int64_t i = 0; i < H; i += 16) {
-            __m512 v = load16(xr + i);
+            __m512 v = load_bf16(xr + i);
             if (delta) {
-                v = round16(_mm512_add_ps(v, load16(delta + t * H + i)));
-                store16(xr + i, v);
+                v = round_bf16_16(_mm512_add_ps(v, load_bf16(delta + t * H + i)));
+                store_bf16(xr + i, v);
             }
             sum = _mm512_fmadd_ps(v, v, sum);
         }
         const __m512 inv = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(sum) / (float)H + eps));
-        for (int64_t i = 0; i < H; i += 16)
-            store16(o + i,
-                    _mm512_mul_ps(load16(w + i), round16(_mm512_mul_ps(load16(xr + i), inv))));
+        for (int64_t i = 0; i < H; i += 16) {
+            const __m512 normed = round_bf16_16(_mm512_mul_ps(load_bf16(xr + i), inv));
+            store_bf16(o + i, _mm512_mul_ps(load_bf16(w + i), normed));
+        }
     }
 }
 
@@ -178,13 +142,14 @@ void rotary_bf16(void *x_, int64_t row_stride, int64_t T, int64_t H, int64_t D, 
         for (int64_t h = 0; h < H; h++) {
             uint16_t *xa = x + t * row_stride + h * D, *xb = xa + half;
             for (int64_t i = 0; i < half; i += 16) {
-                const __m512 a = load16(xa + i), b = load16(xb + i);
-                const __m512 c0 = load16(cos + t * D + i), c1 = load16(cos + t * D + half + i);
-                const __m512 s0 = load16(sin + t * D + i), s1 = load16(sin + t * D + half + i);
-                store16(xa + i, _mm512_add_ps(round16(_mm512_mul_ps(a, c0)),
-                                              round16(_mm512_mul_ps(b, s0))));
-                store16(xb + i, _mm512_add_ps(round16(_mm512_mul_ps(b, c1)),
-                                              round16(_mm512_mul_ps(a, s1))));
+                const __m512 a = load_bf16(xa + i), b = load_bf16(xb + i);
+                const uint16_t *ct = cos + t * D, *st = sin + t * D;
+                const __m512 c0 = load_bf16(ct + i), c1 = load_bf16(ct + half + i);
+                const __m512 s0 = load_bf16(st + i), s1 = load_bf16(st + half + i);
+                store_bf16(xa + i, _mm512_add_ps(round_bf16_16(_mm512_mul_ps(a, c0)),
+                                              round_bf16_16(_mm512_mul_ps(b, s0))));
+                store_bf16(xb + i, _mm512_add_ps(round_bf16_16(_mm512_mul_ps(b, c1)),
+                                              round_bf16_16(_mm512_mul_ps(a, s1))));
             }
         }
 }
@@ -201,10 +166,11 @@ void silu_and_mul_bf16(const void *gate_up_, void *out_, int64_t T, int64_t I)
 #pragma omp parallel for if (T * I >= 16384)
     for (int64_t t = 0; t < T; t++)
         for (int64_t i = 0; i < I; i += 16) {
-            const __m512 g = load16(gate_up + t * 2 * I + i);
-            const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-            const __m512 silu = round16(_mm512_div_ps(g, _mm512_add_ps(one, e)));
-            store16(out + t * I + i, _mm512_mul_ps(silu, load16(gate_up + t * 2 * I + I + i)));
+            const __m512 g = load_bf16(gate_up + t * 2 * I + i);
+            const __m512 e = exp_approx16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+            const __m512 silu = round_bf16_16(_mm512_div_ps(g, _mm512_add_ps(one, e)));
+            const __m512 up = load_bf16(gate_up + t * 2 * I + I + i);
+            store_bf16(out + t * I + i, _mm512_mul_ps(silu, up));
         }
 }
 #else

@@ -285,8 +285,7 @@ static void attend_tile(const uint16_t *q, int64_t q_stride, const uint16_t *k_c
         for (int64_t d = 0; d < D; d += 16) {
             const __m512i at = _mm512_add_epi32(dim_rows, _mm512_set1_epi32((int)(d * QT + i)));
             const __m512 o = _mm512_i32gather_ps(at, ot, 4);
-            const __m512 scaled = _mm512_mul_ps(o, _mm512_set1_ps(inv_l[i]));
-            _mm256_storeu_si256((__m256i *)(row + d), (__m256i)_mm512_cvtneps_pbh(scaled));
+            store_bf16(row + d, _mm512_mul_ps(o, _mm512_set1_ps(inv_l[i])));
         }
     }
 }

@@ -58,24 +58,6 @@ static void group_sums(const uint16_t *x, float *xs, int64_t B, int64_t K)
     }
 }
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-
-/* 16 float32 lanes -> 16 bfloat16 at dst, rounded to nearest even (with AVX-512 BF16 in one
- * instruction; without it, as float_to_bf16 rounds) */
-INLINE void store_bf16(uint16_t *dst, __m512 v)
-{
-#if defined(__AVX512BF16__)
-    _mm256_storeu_si256((__m256i *)dst, (__m256i)_mm512_cvtneps_pbh(v));
-#else
-    float f[16];
-    _mm512_storeu_ps(f, v);
-    for (int i = 0; i < 16; i++)
-        dst[i] = float_to_bf16(f[i]);
-#endif
-}
-#endif
-
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 
 /* One block of 16 rows against B rows of x (B a constant at each call site, so the loops over it
