@@ -87,9 +87,8 @@ def build_metadata(
             decode_lens.append(ctx)
         else:
             causal = None
-            if (
-                num_computed and prefill_masks
-            ):  # query i (at position num_computed + i) sees keys 0 .. its own
+            if num_computed and prefill_masks:
+                # query i (at position num_computed + i) sees keys 0 .. its own
                 causal = additive_mask(np.arange(ctx)[None, :] <= new_pos[:, None], dtype, device)
             blocks = torch.from_numpy(table).to(device)
             prefills.append(PrefillChunk(row, num_new, ctx, blocks, causal))

@@ -167,7 +167,8 @@ class ModelRunner:
 
     @property
     def kernel_summary(self) -> str:
-        """Which code runs decode attention and the element-wise layers."""
+        """Which code runs attention (decode, prefill), the element-wise layers and the
+        quantized matmuls."""
         decode = self.attn.decode_kernel if self.attn else None
         prefill = self.attn.prefill_kernel if self.attn else None
         attention = f"C {decode.name}" if decode else "torch SDPA over gathered blocks"
