@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import platform
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 
-from servelm.kernels.build import compiler
 from servelm.kernels.paged_prefill import PagedPrefillKernel
 from servelm.worker.attention import TorchPagedAttention
+from tests.kernels.amx import amx_expected
 from tests.kernels.test_paged_decode import scattered_tables
 
 needs_amx = pytest.mark.skipif(
@@ -135,15 +133,7 @@ def test_bad_shapes_are_refused():
 def test_the_kernel_is_there_wherever_the_cpu_has_amx():
     # The other tests skip without the kernel; this one fails if an AMX machine lost it (a
     # build that broke would otherwise send every prefill back to SDPA without a word).
-    if compiler() is None:
-        pytest.skip("no C compiler on this machine")
-    cpuinfo = Path("/proc/cpuinfo")
-    has_amx = cpuinfo.exists() and " amx_bf16" in cpuinfo.read_text()
-    macros = subprocess.run(
-        [*compiler(), "-march=native", "-dM", "-E", "-"], input="", capture_output=True, text=True
-    ).stdout
-    if has_amx and "__AMX_BF16__" not in macros:
-        pytest.skip("this CPU has AMX, but the C compiler does not target it")
+    has_amx = amx_expected()
     assert (PagedPrefillKernel.load(torch.bfloat16, 64, 16) is not None) == has_amx
     if platform.machine() in ("x86_64", "AMD64"):  # a build without the tile unit declines
         assert PagedPrefillKernel.load(torch.bfloat16, 64, 16, ("-mno-amx-tile",)) is None

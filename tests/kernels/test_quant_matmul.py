@@ -22,6 +22,7 @@ from servelm.model.layers.linear import (
     LogitsHead,
     Q8Weight,
 )
+from tests.kernels.amx import amx_expected
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no C compiler on this machine")
 
@@ -217,16 +218,7 @@ def test_tile_registers_are_shared_with_torchs_amx_kernels(kernel):
 
 
 def test_it_says_whether_it_uses_tiles(kernel):
-    import subprocess
-    from pathlib import Path
-
-    cpuinfo = Path("/proc/cpuinfo")
-    has_amx = cpuinfo.exists() and " amx_bf16" in cpuinfo.read_text()
-    macros = subprocess.run(
-        [*compiler(), "-march=native", "-dM", "-E", "-"], input="", capture_output=True, text=True
-    ).stdout
-    if has_amx and "__AMX_BF16__" not in macros:
-        pytest.skip("this CPU has AMX, but the C compiler does not target it")
+    has_amx = amx_expected()
     # 5 rows: where the tile unit became faster in whole decode steps (quant_matmul.c)
     assert kernel.tile_min_rows == (5 if has_amx else 0)
     if X86:
