@@ -1,13 +1,15 @@
 """Time the C Q4_1 matmuls of one layer of the default model's shape, side by side: the build
 this CPU takes (AMX tiles from 5 rows where the CPU has them) against the same source built
-without AMX (`-mno-amx-tile`: the AVX-512 BF16 vector path at every batch).
+without AMX (`-mno-amx-tile`: the AVX-512 BF16 vector path at every batch); then, at prompt
+sizes, the default build against oneDNN's bf16 matmul (torch's packed linear, what the engine
+runs where it keeps a bf16 weight) on the same weights in bfloat16.
 
     .venv/bin/python benchmarks/quant_matmul.py                 # batches 1,4,5,8,12,16,24,32
-    .venv/bin/python benchmarks/quant_matmul.py --batch 16 --copies 60
+    .venv/bin/python benchmarks/quant_matmul.py --batch 16 --copies 60 --prompt-rows 108
 
 Each weight exists in `--copies` distinct copies, cycled through, so that the weights come
 from memory rather than from a cache warmed by the previous call, as in a decode step. The two
-builds take turns going first within each batch size, and each result is the fastest of
+sides take turns going first within each batch size, and each result is the fastest of
 `--rounds`.
 Prints microseconds per layer (its four matmuls: qkv, o, gate/up, down) and the ratio.
 """
@@ -20,6 +22,7 @@ import time
 import torch
 
 from servelm.kernels.quant_matmul import QuantMatmul
+from servelm.model.layers.linear import _pack, packed_linear
 
 # (output rows, input columns) of a SmolLM2-135M layer's projections: q/k/v fused, o,
 # gate/up fused, down
@@ -35,22 +38,43 @@ def time_layer(kernel: QuantMatmul, x_by_cols, weights, copies: int) -> float:
     return (time.perf_counter() - t0) / copies
 
 
+def time_layer_bf16(x_by_cols, weights, copies: int) -> float:
+    t0 = time.perf_counter()
+    for i in range(copies):
+        for (_, cols), packed in zip(LAYER, weights, strict=True):
+            packed_linear(x_by_cols[cols], packed[i])
+    return (time.perf_counter() - t0) / copies
+
+
+def side_by_side(fns: dict, rounds: int) -> dict[str, float]:
+    """The fastest of `rounds` for each of `fns`, which take turns going first."""
+    best = {name: float("inf") for name in fns}
+    for r in range(rounds):  # the first to run meets colder caches: take turns
+        for name, fn in list(fns.items())[:: 1 if r % 2 == 0 else -1]:
+            best[name] = min(best[name], fn())
+    return best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", default="1,4,5,8,12,16,24,32")
     ap.add_argument("--copies", type=int, default=30, help="distinct copies of each weight")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--prompt-rows", default="33,108,256,1108", help="'' to skip that table")
     args = ap.parse_args()
     builds = {"default": QuantMatmul.load(), "-mno-amx-tile": QuantMatmul.load(("-mno-amx-tile",))}
     if any(k is None for k in builds.values()):
         raise SystemExit("quant_matmul.c does not build here (no C compiler, or not x86)")
     g = torch.Generator().manual_seed(0)
-    weights = []
+    weights, bf16 = [], []
     for rows, cols in LAYER:
         q = torch.randint(0, 16, (rows, cols), generator=g)
-        scale = torch.rand(rows, cols // 32, generator=g) * 0.01
-        low = -torch.rand(rows, cols // 32, generator=g) * 0.08
+        scale = (torch.rand(rows, cols // 32, generator=g) * 0.01).half().float()
+        low = (-torch.rand(rows, cols // 32, generator=g) * 0.08).half().float()
         weights.append([QuantMatmul.pack_q4(q, scale, low) for _ in range(args.copies)])
+        if args.prompt_rows:
+            w = q.float().view(rows, -1, 32) * scale[..., None] + low[..., None]
+            bf16.append([_pack(w.view(rows, cols).bfloat16()) for _ in range(args.copies)])
     print(f"one layer's four Q4_1 matmuls, {args.copies} copies of each weight, best of "
           f"{args.rounds} rounds, {torch.get_num_threads()} threads")  # fmt: skip
     print(f"{'rows':>5} {'default build':>14} {'-mno-amx-tile':>14} {'ratio':>6}")
@@ -58,13 +82,27 @@ def main() -> None:
         x_by_cols = {
             c: torch.randn(batch, c, generator=g).bfloat16() for c in {c for _, c in LAYER}
         }
-        best = {name: float("inf") for name in builds}
-        for r in range(args.rounds):  # the first to run meets colder caches: take turns
-            for name, kernel in list(builds.items())[:: 1 if r % 2 == 0 else -1]:
-                seconds = time_layer(kernel, x_by_cols, weights, args.copies)
-                best[name] = min(best[name], seconds)
+        fns = {
+            name: lambda k=kernel, x=x_by_cols: time_layer(k, x, weights, args.copies)
+            for name, kernel in builds.items()
+        }
+        best = side_by_side(fns, args.rounds)
         tiles, vector = best["default"] * 1e6, best["-mno-amx-tile"] * 1e6
         print(f"{batch:5d} {tiles:11.0f} us {vector:11.0f} us {vector / tiles:5.2f}x")
+    if not args.prompt_rows:
+        return
+    print(f"\n{'rows':>5} {'default build':>14} {'oneDNN bf16':>14} {'ratio':>6}")
+    for batch in (int(b) for b in args.prompt_rows.split(",")):
+        x_by_cols = {
+            c: torch.randn(batch, c, generator=g).bfloat16() for c in {c for _, c in LAYER}
+        }
+        fns = {
+            "q4": lambda x=x_by_cols: time_layer(builds["default"], x, weights, args.copies),
+            "bf16": lambda x=x_by_cols: time_layer_bf16(x, bf16, args.copies),
+        }
+        best = side_by_side(fns, args.rounds)
+        q4, onednn = best["q4"] * 1e6, best["bf16"] * 1e6
+        print(f"{batch:5d} {q4:11.0f} us {onednn:11.0f} us {onednn / q4:5.2f}x")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-/* y = x W^T for a quantized weight W [N, K] and a few bfloat16 rows x [B, K]: the matmuls of a
- * decode step, where every weight is read once per step and the time goes to memory and to
- * turning a few bits into numbers. Two of GGUF's forms, so that the default model's weights are
+/* y = x W^T for a quantized weight W [N, K] and bfloat16 rows x [B, K]: the matmuls of a decode
+ * step, where every weight is read once per step and the time goes to memory and to turning a
+ * few bits into numbers, and with AMX those of prompts too. Two of GGUF's forms, so that the default model's weights are
  * served exactly as its file holds them; both in groups of 32 along each row:
  *
  *   q4 (Q4_1, the layers' projections)  W[n, 32g + j] = q * scale[n, g] + low[n, g], q in 0..15
@@ -20,11 +20,16 @@
  * block's row i; then the 16 scales. Each 16 bytes widen to 16 float32 lanes for one FMA.
  *
  * With AMX (Sapphire Rapids and later) and at least AMX_MIN_B rows of x, q4 goes to the tile
- * unit instead: the same 128 + q words, unpacked as above, are exactly a tile of 16 columns of
- * bfloat16 pairs (the low nibbles of chunk c are pair row c, the high ones pair row c + 8), so
- * one tile product per group gives sum_j (128 + q_j) x_j for every row of x and of the block at
- * once; the group's scale and low are then applied as on the vector path. At 16 rows of x a
- * layer's four matmuls take 244 us instead of 691 (`benchmarks/quant_matmul.py`; 4 rows: even).
+ * unit instead, as a bfloat16 GEMM: each thread unpacks a pair of W blocks into bfloat16 W
+ * tiles (w = q * scale + low in float32, rounded to nearest even: exactly the bfloat16 weight
+ * the loader makes from the file, since q * scale is exact in float32 and + low rounds once, as
+ * the file's dequantization does) and runs the rows of x through them, 32 rows by 32 columns in
+ * four accumulator tiles that sum over all of K. A weight is read from memory as 4 bits and
+ * unpacked once per call (per MiB of x), not once per tile of rows, so this serves prompts as
+ * well as decode batches. At 108 rows of the default model (a prompt's new tokens after a
+ * cached prefix) its matmuls are as fast as oneDNN's on a bfloat16 copy when both weights are
+ * in cache, and in a serving engine, where the decode steps keep the 4-bit weights in cache,
+ * a prefill step of up to 1,024 tokens takes 20-40 % less (`benchmarks/quant_matmul.py`).
  * Each call configures the tiles on every thread and releases them at the end, as torch's and
  * oneDNN's AMX kernels, which share the registers, expect.
  *
@@ -45,7 +50,6 @@
 #endif
 #define MAX_B 8                                   /* rows of x per pass over W */
 #define AMX_MIN_B 5 /* rows of x from which the tile unit is faster (measured in steps: 4 slower) */
-#define AMX_MAX_B 16 /* rows of a tile */
 
 /* sum_j x[b, 32g + j] for every row b and group g, from bfloat16 x [B, K] */
 static void group_sums(const uint16_t *x, float *xs, int64_t B, int64_t K)
@@ -243,59 +247,158 @@ static void run(const pass_fn *passes, const uint16_t *x, const float *f, int64_
 }
 
 #ifdef HAVE_AMX
-/* q4 for B (AMX_MIN_B..16) rows of x: tile 0 the product [B, 16] float32, tile 1 x's group
- * [B, 32] bfloat16 (read in place), tile 2 the block's group as 16 pair rows of 16 columns. */
-static void q4_amx(const uint16_t *x, const float *xs, const uint8_t *w, uint16_t *y, int64_t B,
-                   int64_t N, int64_t K)
+/* q4 on the tile unit, as a bfloat16 GEMM (see the top of the file). */
+#define PAIR_ROWS 16 /* a W tile: 16 rows of (input 2r, input 2r + 1) pairs, 16 columns */
+#define CHUNK_BYTES (1 << 20) /* of x per pass over W: it stays in L2 (2 MiB a core here) */
+
+/* One tile row: 16 bfloat16 pairs, columns 0-7 from lo and 8-15 from hi, whose lane 2i + e holds
+ * q of column i's input of parity e; scale and low are duplicated into lanes the same way. */
+INLINE void dequant_pair_row(uint16_t *dst, __m512i q_lo, __m512i q_hi, __m512 scale_lo,
+                             __m512 scale_hi, __m512 low_lo, __m512 low_hi)
 {
-    const int64_t G = K / GROUP, bytes = G * Q4_BYTES;
+    const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q_lo), scale_lo, low_lo);
+    const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q_hi), scale_hi, low_hi);
+    _mm512_store_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+
+/* Group wg (Q4_BYTES) of a block -> the W tile dst [PAIR_ROWS][16 columns][2] bfloat16. Byte
+ * 2i + e of chunk c holds column i's q[2c + e] in its low nibble (pair row c) and q[2c + 16 + e]
+ * in its high one (pair row c + 8): widened to 32 bits, each half chunk is already in the
+ * tile's order of (column, parity). */
+INLINE void dequant_group(const uint8_t *wg, uint16_t *dst)
+{
+    const __m512i nibble = _mm512_set1_epi32(0xf);
+    const __m512i pairs_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i pairs_hi = _mm512_add_epi32(pairs_lo, _mm512_set1_epi32(8));
+    const uint16_t *sl = (const uint16_t *)(wg + LANES * GROUP / 2);
+    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sl));
+    const __m512 low = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sl + LANES)));
+    const __m512 scale_lo = _mm512_permutexvar_ps(pairs_lo, scale);
+    const __m512 scale_hi = _mm512_permutexvar_ps(pairs_hi, scale);
+    const __m512 low_lo = _mm512_permutexvar_ps(pairs_lo, low);
+    const __m512 low_hi = _mm512_permutexvar_ps(pairs_hi, low);
+    for (int c = 0; c < 8; c++) {
+        const __m512i lo = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(wg + 32 * c)));
+        const __m512i hi =
+            _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(wg + 32 * c + 16)));
+        dequant_pair_row(dst + 32 * c, _mm512_and_si512(lo, nibble), _mm512_and_si512(hi, nibble),
+                         scale_lo, scale_hi, low_lo, low_hi);
+        dequant_pair_row(dst + 32 * (c + 8), _mm512_srli_epi32(lo, 4), _mm512_srli_epi32(hi, 4),
+                         scale_lo, scale_hi, low_lo, low_hi);
+    }
+}
+
+/* The first `rows` rows of accumulator tile `tile` (16 x 16 float32) -> bfloat16 at y */
+static void store_tile(int tile, int rows, uint16_t *y, int64_t y_stride)
+{
+    __attribute__((aligned(64))) float buf[16 * 16];
+    switch (tile) { /* tile numbers are immediates */
+    case 0: _tile_stored(0, buf, 64); break;
+    case 1: _tile_stored(1, buf, 64); break;
+    case 2: _tile_stored(2, buf, 64); break;
+    default: _tile_stored(3, buf, 64); break;
+    }
+    for (int r = 0; r < rows; r++)
+        store_bf16(y + r * y_stride, _mm512_load_ps(buf + 16 * r));
+}
+
+/* Two x tiles xa, xb (xb may be NULL) by the W tiles of one or two blocks (w1 may be NULL),
+ * summed over all G groups in accumulator tiles 0-3: [xa w0, xa w1, xb w0, xb w1]. With q0
+ * (and q1), the blocks' quants, the W tiles are unpacked first, group by group, so that the
+ * unpacking overlaps the tile unit's work. ra, rb: rows of ya, yb to write. */
+static void gemm_block(const uint16_t *xa, int ra, const uint16_t *xb, int rb, uint16_t *w0,
+                       uint16_t *w1, const uint8_t *q0, const uint8_t *q1, uint16_t *ya,
+                       uint16_t *yb, int64_t N, int64_t G)
+{
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t g = 0; g < G; g++) {
+        if (q0) {
+            dequant_group(q0 + g * Q4_BYTES, w0 + PAIR_ROWS * 32 * g);
+            if (w1)
+                dequant_group(q1 + g * Q4_BYTES, w1 + PAIR_ROWS * 32 * g);
+        }
+        for (int line = 0; line < 16; line++) { /* the next group's x tiles, on their way to L1 */
+            _mm_prefetch((const char *)(xa + 16 * GROUP * (g + 1)) + 64 * line, _MM_HINT_T0);
+            if (xb)
+                _mm_prefetch((const char *)(xb + 16 * GROUP * (g + 1)) + 64 * line, _MM_HINT_T0);
+        }
+        _tile_loadd(4, xa + 16 * GROUP * g, 64);
+        _tile_loadd(6, w0 + PAIR_ROWS * 32 * g, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (w1) {
+            _tile_loadd(7, w1 + PAIR_ROWS * 32 * g, 64);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+        if (xb) {
+            _tile_loadd(5, xb + 16 * GROUP * g, 64);
+            _tile_dpbf16ps(2, 5, 6);
+            if (w1)
+                _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    store_tile(0, ra, ya, N);
+    if (w1)
+        store_tile(1, ra, ya + LANES, N);
+    if (xb) {
+        store_tile(2, rb, yb, N);
+        if (w1)
+            store_tile(3, rb, yb + LANES, N);
+    }
+}
+
+/* y [M, N] = x [M, K] W^T for q4 W on the tile unit. x is first copied tile by tile
+ * ([M / 16][G][16 rows][32 inputs], the last tile's missing rows zero), so that each x tile
+ * loaded is 1 KiB in one piece. Each thread then takes blocks of W two at a time (32 columns),
+ * unpacks them to bfloat16 W tiles in its own buffer as the first two x tiles go through, and
+ * runs the rest of the chunk's x tiles through those. */
+static void q4_gemm_amx(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t M, int64_t N,
+                        int64_t K)
+{
+    const int64_t G = K / GROUP, tiles = (M + 15) / 16, tile = 16 * GROUP, blocks = N / LANES;
+    const int64_t chunk = CHUNK_BYTES / (16 * K * 2) > 2 ? CHUNK_BYTES / (16 * K * 2) : 2;
+    uint16_t *xt = aligned_alloc(64, (size_t)(tiles * G * tile) * 2);
 #pragma omp parallel
     {
-        struct tile_config cfg = {.palette = 1};
-        cfg.rows[0] = cfg.rows[1] = (uint8_t)B;
-        cfg.rows[2] = 16;
-        cfg.bytes_per_row[0] = cfg.bytes_per_row[1] = cfg.bytes_per_row[2] = 64;
-        _tile_loadconfig(&cfg);
-        const __m512i low_nibble = _mm512_set1_epi16(0x000f), bias = _mm512_set1_epi16(0x4300);
-        __attribute__((aligned(64))) uint16_t pairs[16 * 32];
-        __attribute__((aligned(64))) float dot[AMX_MAX_B * LANES];
 #pragma omp for schedule(static)
-        for (int64_t n = 0; n < N / LANES; n++) {
-            const uint8_t *wg = w + n * bytes;
-            __m512 acc[AMX_MAX_B];
-            for (int b = 0; b < B; b++)
-                acc[b] = _mm512_setzero_ps();
-            for (int64_t g = 0; g < G; g++, wg += Q4_BYTES) {
-                for (int line = 0; line < 5; line++) /* the block's 5 cache lines */
-                    _mm_prefetch((const char *)(wg + PREFETCH * Q4_BYTES + 64 * line), _MM_HINT_T0);
-                for (int c = 0; c < 8; c++) {
-                    const __m512i v =
-                        _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(wg + 32 * c)));
-                    _mm512_store_si512(pairs + 32 * c,
-                                       _mm512_ternarylogic_epi32(v, low_nibble, bias, 0xEA));
-                    _mm512_store_si512(pairs + 32 * (c + 8),
-                                       _mm512_or_si512(_mm512_srli_epi16(v, 4), bias));
+        for (int64_t t = 0; t < tiles; t++)
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t r = 0; r < 16; r++) {
+                    uint16_t *dst = xt + (t * G + g) * tile + r * GROUP;
+                    if (16 * t + r < M)
+                        memcpy(dst, x + (16 * t + r) * K + g * GROUP, GROUP * 2);
+                    else
+                        memset(dst, 0, GROUP * 2);
                 }
-                _tile_zero(0);
-                _tile_loadd(1, x + g * GROUP, K * 2);
-                _tile_loadd(2, pairs, 64);
-                _tile_dpbf16ps(0, 1, 2);
-                _tile_stored(0, dot, 64);
-                const uint16_t *sl = (const uint16_t *)(wg + LANES * GROUP / 2);
-                const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sl));
-                const __m512 low =
-                    _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sl + LANES)));
-                const __m512 low_biased = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), scale, low);
-                for (int b = 0; b < B; b++) {
-                    acc[b] = _mm512_fmadd_ps(scale, _mm512_load_ps(dot + LANES * b), acc[b]);
-                    acc[b] = _mm512_fmadd_ps(low_biased, _mm512_set1_ps(xs[b * G + g]), acc[b]);
+        struct tile_config cfg = {.palette = 1};
+        for (int t = 0; t < 8; t++) {
+            cfg.rows[t] = 16;
+            cfg.bytes_per_row[t] = 64;
+        }
+        _tile_loadconfig(&cfg);
+        uint16_t *w0 = aligned_alloc(64, (size_t)(2 * G * PAIR_ROWS * 32) * 2);
+        uint16_t *w1 = w0 + G * PAIR_ROWS * 32;
+        for (int64_t t0 = 0; t0 < tiles; t0 += chunk) {
+            const int64_t t1 = t0 + chunk < tiles ? t0 + chunk : tiles;
+#pragma omp for schedule(static)
+            for (int64_t pair = 0; pair < (blocks + 1) / 2; pair++) {
+                const uint8_t *q0 = w + 2 * pair * G * Q4_BYTES, *q1 = q0 + G * Q4_BYTES;
+                uint16_t *second = 2 * pair + 1 < blocks ? w1 : NULL; /* N % 32 == 16: one */
+                for (int64_t t = t0; t < t1; t += 2, q0 = q1 = NULL) {
+                    const int ra = M - 16 * t < 16 ? (int)(M - 16 * t) : 16;
+                    const int rb = M - 16 * (t + 1) < 16 ? (int)(M - 16 * (t + 1)) : 16;
+                    uint16_t *ya = y + 16 * t * N + 32 * pair;
+                    gemm_block(xt + t * G * tile, ra, t + 1 < t1 ? xt + (t + 1) * G * tile : NULL,
+                               rb, w0, second, q0, q1, ya, ya + 16 * N, N, G);
                 }
             }
-            for (int b = 0; b < B; b++)
-                store_bf16(y + b * N + n * LANES, acc[b]);
         }
+        free(w0);
         _tile_release();
     }
+    free(xt);
 }
 #endif
 
@@ -315,22 +418,14 @@ int64_t q4_tile_min_rows(void)
 void q4_matmul_bf16(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t B, int64_t N,
                     int64_t K)
 {
-    float *xs = malloc((size_t)(B * (K / GROUP)) * sizeof(float));
-    group_sums(x, xs, B, K);
 #ifdef HAVE_AMX
     if (B >= AMX_MIN_B && amx_granted()) {
-        for (int64_t b0 = 0; b0 < B; b0 += AMX_MAX_B) { /* tiles of 16 rows, a short rest apart */
-            const int64_t nb = B - b0 < AMX_MAX_B ? B - b0 : AMX_MAX_B;
-            const int64_t G = K / GROUP;
-            if (nb >= AMX_MIN_B)
-                q4_amx(x + b0 * K, xs + b0 * G, w, y + b0 * N, nb, N, K);
-            else
-                run(Q4_passes, x + b0 * K, xs + b0 * G, G, w, y + b0 * N, nb, N, K);
-        }
-        free(xs);
+        q4_gemm_amx(x, w, y, B, N, K);
         return;
     }
 #endif
+    float *xs = malloc((size_t)(B * (K / GROUP)) * sizeof(float));
+    group_sums(x, xs, B, K);
     run(Q4_passes, x, xs, K / GROUP, w, y, B, N, K);
     free(xs);
 }

@@ -49,15 +49,16 @@ LISTED_POINTS = 40  # a profile file lists each timed step only up to this many
 
 # (kind, size, context): prefill size = prompt tokens; decode size = batch, context = prompt.
 # With a decode stack each path gets fitted shapes of its own and held-out ones inside their
-# range. The default model's stack takes decodes of up to 32 requests (16 without AMX, where
-# those of 24-32 join the Python path); the prefills and the decodes of 40-48 requests always
-# run on the Python layers.
+# range. On a CPU with AMX tiles the default model's stack takes every decode step, and the
+# Python layers' fit rests on the prefills (four of them, as a fit needs); without AMX the stack
+# takes decodes of up to 16 requests, and those of 24-48 join the prefills on the Python path.
 FIT_SHAPES = [
     ("prefill", 64, 0),
     ("decode", 1, 128),
     ("prefill", 1024, 0),
     ("decode", 48, 64),
     ("prefill", 256, 0),
+    ("prefill", 768, 0),
     ("decode", 8, 256),
     ("decode", 2, 256),
     ("decode", 16, 128),

@@ -17,6 +17,7 @@ import argparse
 import json
 import math
 import statistics
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -237,7 +238,9 @@ def _profile_from_args(args: argparse.Namespace, console: Console) -> str | None
         cal.profile_file.write(args.profile_out)
         stack = ""
         if p.decode_stack is not None:
-            stack = f"; decode stack (decode steps of <= {p.decode_stack_max_tokens} tokens): "
+            rows = p.decode_stack_max_tokens  # sys.maxsize: every decode step
+            steps = "decode steps" if rows >= sys.maxsize else f"decode steps of <= {rows} tokens"
+            stack = f"; decode stack ({steps}): "
             stack += _rates(p.decode_stack)
         console.print(
             f"fitted {_rates(p)}, {p.frontend_latency_s * 1e3:.1f} ms outside steps{stack}; "

@@ -4,7 +4,7 @@
     hidden = stack(input_ids, positions)      # None: this step is not one it takes
 
 It takes steps whose tokens are all decodes, at most `max_rows` of them (the steps whose
-matmuls read the int4 weights), and returns what `model(input_ids, positions, attn)` returns
+matmuls read the int4 weights: all of them on a CPU with AMX tiles), and returns what `model(input_ids, positions, attn)` returns
 for them, bit for bit: the C loop calls the very kernels the Python layers call, in the same
 order, and only leaves out the Python between them (a batch-1 step of the default model on
 this project's CPU: 14.2 ms through the Python layers, 5.8 ms in one call).
@@ -92,7 +92,7 @@ class DecodeStack:
             "gate_up": 2 * spec.intermediate_size,
             "act": spec.intermediate_size,
         }
-        self._scratch: dict[int, tuple[dict[str, torch.Tensor], _Scratch]] = {}
+        self._scratch: tuple[dict[str, torch.Tensor], _Scratch] | None = None
 
     @classmethod
     def build(cls, model, attn) -> DecodeStack | None:
@@ -176,8 +176,12 @@ class DecodeStack:
         return out
 
     def scratch(self, B: int) -> _Scratch:
-        """Buffers for the rows between kernels, made once for each batch size."""
-        if B not in self._scratch:
-            bufs = {n: torch.empty(B, size, dtype=torch.bfloat16) for n, size in self.sizes.items()}
-            self._scratch[B] = (bufs, _Scratch(**{n: t.data_ptr() for n, t in bufs.items()}))
-        return self._scratch[B][1]
+        """Buffers for the rows between kernels, of at least B rows (the C code uses the first B
+        of each); they grow by doubling, so a few sizes serve every batch."""
+        if self._scratch is None or self._scratch[0]["h"].shape[0] < B:
+            rows = max(B, 2 * self._scratch[0]["h"].shape[0] if self._scratch else B)
+            bufs = {
+                n: torch.empty(rows, size, dtype=torch.bfloat16) for n, size in self.sizes.items()
+            }
+            self._scratch = (bufs, _Scratch(**{n: t.data_ptr() for n, t in bufs.items()}))
+        return self._scratch[1]

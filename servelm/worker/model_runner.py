@@ -25,6 +25,7 @@ from servelm.kernels.paged_decode import PagedDecodeKernel
 from servelm.kernels.paged_prefill import PagedPrefillKernel
 from servelm.kernels.quant_matmul import QuantMatmul
 from servelm.model.config import ModelSpec
+from servelm.model.layers.linear import ALL_ROWS
 from servelm.model.loader import build_model
 from servelm.worker.attention import TorchPagedAttention
 from servelm.worker.decode_stack import DecodeStack
@@ -179,13 +180,14 @@ class ModelRunner:
         if self.int4_layers:
             int4 = "C q4_matmul" if self.quant_kernel else "torch _weight_int4pack_mm"
             if self.quant_kernel and self.quant_kernel.tile_min_rows:
-                int4 += f" (AMX tiles from {self.quant_kernel.tile_min_rows} rows)"
+                int4 += f" (AMX tiles from {self.quant_kernel.tile_min_rows} rows, prompts too)"
             summary += f"; int4 projections: {int4}"
         if self.model.head_q8 is not None:
             summary += "; logits head: C q8_matmul (Q8_0)"
         if self.decode_stack is not None:
             rows = self.decode_stack_max_tokens
-            summary += f"; decode steps of <= {rows} tokens: all layers in one C call"
+            steps = "decode steps" if rows == ALL_ROWS else f"decode steps of <= {rows} tokens"
+            summary += f"; {steps}: all layers in one C call"
         return summary
 
     def _dummy_forward(self, num_tokens: int) -> None:

@@ -1,7 +1,9 @@
 """The C quantized matmuls give x W^T for 4-bit (Q4_1) and 8-bit (Q8_0) weights: against a
 float64 reference (each result is the exact sum rounded once to bfloat16, up to float32's error
 in the sum), on the vector path this CPU takes and on the portable C path, and as the
-`Int4Weight` / `Q8Weight` the model uses."""
+`Int4Weight` / `Q8Weight` the model uses. On AMX tiles, q4 multiplies by the bfloat16 weight the
+loader makes from the same file (each weight rounded once from float32), which the reference
+then uses."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import torch
 from servelm.kernels.build import compiler
 from servelm.kernels.quant_matmul import QuantMatmul
 from servelm.model.layers.linear import (
-    C_INT4_MAX_ROWS,
+    ALL_ROWS,
     C_INT4_VECTOR_MAX_ROWS,
     HEAD_Q8_MAX_ROWS,
     INT4_MAX_ROWS,
@@ -68,7 +70,18 @@ def assert_rounded_once(got: torch.Tensor, want: torch.Tensor) -> None:
     assert (err <= want.abs() * 2.0**-8 + floor).all(), err.max().item()
 
 
-@pytest.mark.parametrize("batch", [1, 2, 3, 5, 8, 9, 16, 17, 35])  # AMX: 4..16 rows a tile
+def on_tiles(kernel: QuantMatmul, batch: int) -> bool:
+    return 0 < kernel.tile_min_rows <= batch
+
+
+def loaded_bf16(w: torch.Tensor) -> torch.Tensor:
+    """The bfloat16 weight the loader makes: the file's float32 values, rounded once."""
+    return w.float().bfloat16().double()
+
+
+# AMX: from 5 rows, in tiles of 16 rows; 32 columns a pass (48: one block of 16 left over);
+# 1,108 rows of K = 576 and 400 of K = 1,536 take two passes over W (1 MiB of x each).
+@pytest.mark.parametrize("batch", [1, 2, 3, 4, 5, 8, 9, 16, 17, 35, 108])
 @pytest.mark.parametrize("shape", [(16, 32), (48, 96), (960, 576), (576, 1536)])
 def test_matches_the_exact_product(kernel, batch, shape):
     rows, cols = shape
@@ -76,7 +89,28 @@ def test_matches_the_exact_product(kernel, batch, shape):
     x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(7)).bfloat16()
     got = kernel.q4(x, QuantMatmul.pack_q4(q, scale, low), rows)
     assert got.shape == (batch, rows)
-    assert_rounded_once(got, x.double() @ w.T)
+    assert_rounded_once(got, x.double() @ (loaded_bf16(w) if on_tiles(kernel, batch) else w).T)
+
+
+@pytest.mark.parametrize(("batch", "shape"), [(1108, (960, 576)), (400, (576, 1536))])
+def test_prompt_sized_inputs_in_more_than_one_pass(kernel, batch, shape):
+    rows, cols = shape
+    q, scale, low, w = q4_weight(rows, cols, seed=batch)
+    x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(9)).bfloat16()
+    got = kernel.q4(x, QuantMatmul.pack_q4(q, scale, low), rows)
+    assert_rounded_once(got, x.double() @ (loaded_bf16(w) if on_tiles(kernel, batch) else w).T)
+
+
+def test_tiles_multiply_by_exactly_the_loaded_bf16_weight(kernel):
+    if not kernel.tile_min_rows:
+        pytest.skip("no AMX tiles on this CPU")
+    q, scale, low, w = q4_weight(48, 96, seed=2)
+    # one-hot rows pick out single weights: each output is one product, w * 1, exact
+    cols = torch.tensor([0, 1, 2, 31, 32, 33, 50, 63, 64, 90, 94, 95, 7, 40, 77, 18, 66])
+    x = torch.zeros(len(cols), 96, dtype=torch.bfloat16)
+    x[torch.arange(len(cols)), cols] = 1
+    got = kernel.q4(x, QuantMatmul.pack_q4(q, scale, low), 48)
+    assert torch.equal(got, w.float().bfloat16()[:, cols].T)
 
 
 @pytest.mark.parametrize("batch", [1, 4, 9])
@@ -87,8 +121,10 @@ def test_portable_c_path_computes_the_same(kernel, portable, batch, magnitude):
     packed = QuantMatmul.pack_q4(q, scale, low)
     got = portable.q4(x, packed, 64)
     assert_rounded_once(got, x.double() @ w.T)
-    # the two paths differ at most in the order of float32 sums: one rounding step apart
-    torch.testing.assert_close(got, kernel.q4(x, packed, 64), rtol=2**-7, atol=1e-4)
+    if on_tiles(kernel, batch):  # this CPU's path multiplies by the loaded bf16 weight
+        assert_rounded_once(kernel.q4(x, packed, 64), x.double() @ loaded_bf16(w).T)
+    else:  # the two paths differ at most in the order of float32 sums: one rounding apart
+        torch.testing.assert_close(got, kernel.q4(x, packed, 64), rtol=2**-7, atol=1e-4)
 
 
 def test_int4_weight_holds_a_q4_1_grid_exactly_and_agrees_with_torchs_kernel(kernel):
@@ -112,16 +148,24 @@ def test_scales_beyond_float16_fall_back_to_torchs_kernel(kernel):
 
 def test_a_linear_reads_the_c_kernels_int4_copy_up_to_its_cut(kernel):
     q, scale, low, w = q4_weight(32, 64, seed=5)
-    layer = Linear(64, 32, bias=False)
-    layer.weight = torch.nn.Parameter(torch.zeros(32, 64, dtype=torch.bfloat16), False)
-    layer.int4 = Int4Weight(w.float(), torch.bfloat16, kernel)  # differs from the zero weight
-    cut = C_INT4_MAX_ROWS if kernel.tile_min_rows else C_INT4_VECTOR_MAX_ROWS
-    assert layer.int4.max_rows == cut > INT4_MAX_ROWS
-    for rows in (1, cut, cut + 1):
-        x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)).bfloat16()
-        assert layer(x).any() == (rows <= cut)
     vector = QuantMatmul.load(extra_flags=("-mno-amx-tile",) if X86 else ())
-    assert Int4Weight(w.float(), torch.bfloat16, vector).max_rows == C_INT4_VECTOR_MAX_ROWS
+    for k in (kernel, vector):
+        layer = Linear(64, 32, bias=False)
+        layer.weight = torch.nn.Parameter(torch.zeros(32, 64, dtype=torch.bfloat16), False)
+        layer.use_int4(Int4Weight(w.float(), torch.bfloat16, k))  # differs from the zero weight
+        if k.tile_min_rows:  # tiles serve every input: the bf16 copy is freed
+            assert layer.int4.max_rows == ALL_ROWS and layer.weight.numel() == 0
+            for rows in (1, 5, 300):
+                x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)).bfloat16()
+                assert_rounded_once(
+                    layer(x), x.double() @ loaded_bf16(w).T if rows >= 5 else x.double() @ w.T
+                )
+            continue
+        cut = C_INT4_VECTOR_MAX_ROWS
+        assert layer.int4.max_rows == cut > INT4_MAX_ROWS and layer.weight.numel() == 32 * 64
+        for rows in (1, cut, cut + 1):
+            x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)).bfloat16()
+            assert layer(x).any() == (rows <= cut)
 
 
 def test_refuses_inputs_that_do_not_fit_the_packed_weight(kernel):

@@ -7,15 +7,19 @@ torch.compile's CPU freezing pass does) and the forward then calls the packed ke
 result is bit-identical to `F.linear`; on the default model it makes a decode step's matmuls
 about 1.2-1.4x faster. On CUDA, or in float32, nothing is packed.
 
-A `Linear` may also carry its weight as 4-bit integers (`Int4Weight`), for decode-sized inputs
-only: a decode step reads every weight once, and 4-bit weights are a quarter of the bytes. The
+A `Linear` may also carry its weight as 4-bit integers (`Int4Weight`), for decode-sized inputs:
+a decode step reads every weight once, and 4-bit weights are a quarter of the bytes. The
 default model comes from a Q4_1 GGUF, whose weights are 4-bit already, so for it this is exact;
 its logits head is Q8_0 in the file, and `Q8Weight` serves decode-sized inputs from those int8
 values. Both are multiplied by servelm's C kernel (`kernels/quant_matmul.c`) where it is built,
-else (int4 only) by torch's CPU int4 kernel.
+else (int4 only) by torch's CPU int4 kernel. On a CPU with AMX tiles the C kernel serves prompts
+as well, multiplying by exactly the bf16 weight the 4-bit one stands for, and the layer then
+keeps no bf16 copy.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -48,19 +52,21 @@ INT4_GROUP = 32
 # 15.6 vs 19.3 at 12, 16.9 vs 23.8 at 16. An int4 kernel unpacks every weight for each block of
 # rows, so it wins where reading the weight is the whole cost and loses where arithmetic is.
 INT4_MAX_ROWS = 8
-# The same cut for servelm's C kernel, about 2x torch's at 1 row, and from 5 rows on AMX tiles
-# where the CPU has them. Whole decode steps of the default model (the decode stack, which takes
-# as many rows as the int4 matmuls do) against the Python layers with bf16 matmuls, 256-token
-# contexts, in ms: with tiles, 30.9 vs 39.0 at 24 requests, 36.1 vs 44.7 at 32, 51.1 vs 55.3 at
-# 48, 68.2 vs 68.1 at 64; on the AVX-512 vector path alone, 30 vs 41 at 12, 37 vs 42 at 16, 62
-# vs 54 at 24, 76 vs 56 at 32.
-C_INT4_MAX_ROWS = 32  # with AMX tiles
-C_INT4_VECTOR_MAX_ROWS = 16  # without
+# The same cut for servelm's C kernel on its AVX-512 vector path, about 2x torch's at 1 row.
+# Whole decode steps of the default model (the decode stack, which takes as many rows as the
+# int4 matmuls do) against the Python layers with bf16 matmuls, 256-token contexts, in ms: 30 vs
+# 41 at 12 requests, 37 vs 42 at 16, 62 vs 54 at 24, 76 vs 56 at 32.
+C_INT4_VECTOR_MAX_ROWS = 16
+# With AMX tiles the C kernel unpacks the 4-bit weight into bfloat16 tiles, once per call, and
+# serves every input: in the engine, first steps of 64 to 1,024 new tokens took 20-40 % less than
+# with oneDNN's bf16 matmuls (the decode steps keep the 4-bit weights in cache; the bf16 copy is
+# not), and 2,048 about the same. Such a layer keeps no bf16 copy at all.
+ALL_ROWS = sys.maxsize
 
 
 def c_int4_max_rows(kernel: QuantMatmul) -> int:
     """Rows up to which servelm's C int4 matmul beats bf16 on this CPU (see above)."""
-    return C_INT4_MAX_ROWS if kernel.tile_min_rows else C_INT4_VECTOR_MAX_ROWS
+    return ALL_ROWS if kernel.tile_min_rows else C_INT4_VECTOR_MAX_ROWS
 
 
 # The logits head reads its Q8_0 copy (servelm's C kernel) up to this many rows. Alone, with
@@ -180,8 +186,15 @@ class Linear(nn.Linear):
     def reset_parameters(self) -> None:
         """Nothing to initialise: `load_weights` fills the weights."""
 
+    def use_int4(self, weight: Int4Weight) -> None:
+        """Serve inputs of up to `weight.max_rows` rows from `weight`; if that is every input,
+        the plain weight is no longer read, and its memory is freed."""
+        self.int4 = weight
+        if weight.max_rows == ALL_ROWS:
+            self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+
     def pack_for_cpu(self) -> None:
-        if self.packed is None and can_pack(self.weight):
+        if self.packed is None and self.weight.numel() and can_pack(self.weight):
             self.packed = _pack(self.weight)
             # The plain weight is no longer read; free its memory (in/out_features remain).
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
@@ -235,5 +248,5 @@ def quantize_linears_int4(
                 return 0
             made.append((module, weight))
     for module, weight in made:
-        module.int4 = weight
+        module.use_int4(weight)
     return len(made)
