@@ -59,7 +59,9 @@ def build_tokenizer(out: Path, vocab_size: int = 384) -> int:
     return tok.get_vocab_size()
 
 
-def build_tiny_model(out: Path, *, seed: int = 0, tie: bool = True, layers: int = 2) -> Path:
+def build_tiny_model(
+    out: Path, *, seed: int = 0, tie: bool = True, layers: int = 2, head_dim: int = 16
+) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -72,7 +74,7 @@ def build_tiny_model(out: Path, *, seed: int = 0, tie: bool = True, layers: int 
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
+        head_dim=head_dim,
         max_position_embeddings=4096,
         rms_norm_eps=1e-5,
         rope_theta=10000.0,

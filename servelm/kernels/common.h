@@ -69,6 +69,22 @@ INLINE float exp_approx(float x)
     return p * two_n;
 }
 
+/* New tokens' k and v rows (B of them, `k_stride` / `v_stride` elements apart, Hkv heads of D
+ * elements of `size` bytes side by side) into the paged caches at their slots. */
+INLINE void store_new_tokens(const void *k, int64_t k_stride, const void *v, int64_t v_stride,
+                             void *k_cache, void *v_cache, const int64_t *slots, int64_t B,
+                             int64_t Hkv, int64_t size, int D)
+{
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < Hkv; h++) {
+            const int64_t dst = (slots[b] * Hkv + h) * D * size;
+            memcpy((char *)k_cache + dst, (const char *)k + (b * k_stride + h * D) * size,
+                   D * size);
+            memcpy((char *)v_cache + dst, (const char *)v + (b * v_stride + h * D) * size,
+                   D * size);
+        }
+}
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 

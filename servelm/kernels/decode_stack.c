@@ -1,16 +1,18 @@
-/* A decode step's whole layer stack in one call: the same kernels, in the same order, that
+/* A step's whole layer stack in one call: the same kernels, in the same order, that
  * LlamaDecoderLayer.forward calls one by one from Python.
  *
  * At one token per request the default model's step took 14.2 ms through the Python layers and
  * 5.8 ms in this loop: per layer ~190 us of kernels and ~280 us of the ~10 Python calls around
  * them (module dispatch, argument checks, output allocation, ctypes). This
  * loop calls the kernels directly, through pointers to the functions the other libraries
- * export (cpu_ops.c, quant_matmul.c, paged_decode.c), so each of them stays the only copy of
- * its code and the results are bit for bit those of the Python path. Per layer, for B rows:
+ * export (cpu_ops.c, quant_matmul.c, paged_decode.c, paged_prefill.c), so each of them stays
+ * the only copy of its code and the results are bit for bit those of the Python path. Per
+ * layer, for the step's B rows (tokens):
  *
  *   h = norm(x += delta)                    add_rms_norm   (no add before the first layer)
  *   qkv = h Wqkv^T;  rotate q and k         q4_matmul, rotary
- *   a = attention(q; store k, v at slots)   paged_decode
+ *   a = attention(q; store k, v at slots)   paged_decode for decode tokens; for a request's
+ *                                           new tokens, store then paged_prefill
  *   delta = a Wo^T;  h = norm(x += delta)   q4_matmul, add_rms_norm
  *   delta = silu(h Wg^T) * (h Wu^T) Wd^T    q4_matmul, silu_and_mul, q4_matmul
  *
@@ -19,6 +21,8 @@
 
 #include <stddef.h>
 #include <stdint.h>
+
+#include "common.h"
 
 typedef void (*norm_fn)(void *x, const void *delta, const void *w, void *out, int64_t T,
                         int64_t H, float eps);
@@ -33,6 +37,10 @@ typedef void (*attention_fn)(const void *q, int64_t q_stride, const void *k, int
                              int64_t max_blocks, const int64_t *context_lens, int64_t B,
                              int64_t Hq, int64_t Hkv, int64_t block_size, int64_t max_len,
                              float scale, void *out);
+typedef void (*prefill_fn)(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
+                           const uint16_t *v_cache, const int64_t *blocks, int64_t block_size,
+                           int64_t n, int64_t ctx, int64_t Hq, int64_t Hkv, int64_t D, float scale,
+                           uint16_t *out, int64_t out_stride, uint16_t *scratch);
 
 /* Fixed for the life of the model (mirrored by ctypes Structures in decode_stack.py). */
 struct kernels {
@@ -41,6 +49,7 @@ struct kernels {
     silu_fn silu;
     matmul_fn q4;
     attention_fn attention;
+    prefill_fn prefill; /* NULL: steps with prompt tokens are not taken */
 };
 
 struct shape {
@@ -54,12 +63,24 @@ struct layer {
     void *k_cache, *v_cache;                     /* [slots, kv_heads, head_dim] */
 };
 
-/* This step's batch: B decode tokens, their rotary rows and where their K/V go and lie. */
+/* Rows start .. start + n - 1 of a step, which attend alike: n decode tokens, one per request
+ * (blocks: their block tables [n, max_blocks]; context_lens [n]; max_len the longest), or one
+ * request's n new tokens, the last of its context (prefill != 0; blocks: its block table;
+ * max_len: its context length). */
+struct part {
+    int64_t start, n, prefill;
+    const int64_t *blocks, *context_lens;
+    int64_t max_blocks, max_len;
+};
+
+/* This step: B tokens, their rotary rows, where their K/V go, and its parts in row order. */
 struct step {
     int64_t B;
     const void *cos, *sin;                       /* [B, head_dim] */
-    const int64_t *slots, *block_tables, *context_lens;
-    int64_t max_blocks, max_len;
+    const int64_t *slots;                        /* [B] */
+    int64_t num_parts;
+    const struct part *parts;
+    void *prefill_scratch;                       /* paged_prefill's, for the longest context */
 };
 
 /* Scratch rows, each sized for B: h [B, hidden], qkv [B, (heads + 2 kv_heads) head_dim],
@@ -84,10 +105,22 @@ void decode_stack_bf16(const struct kernels *k, const struct shape *s, const str
         k->norm(x, delta, ly->input_norm, buf->h, B, H, s->eps);
         k->q4(buf->h, ly->qkv, qkv, B, qkv_row, H);
         k->rotary(qkv, qkv_row, B, Hq + Hkv, D, st->cos, st->sin);
-        k->attention(qkv, qkv_row, qkv + q_size, qkv_row, qkv + q_size + kv_size, qkv_row,
-                     ly->k_cache, ly->v_cache, st->slots, st->block_tables, st->max_blocks,
-                     st->context_lens, B, Hq, Hkv, s->block_size, st->max_len, s->scale,
-                     buf->attn);
+        for (int64_t i = 0; i < st->num_parts; i++) {
+            const struct part *p = &st->parts[i];
+            const uint16_t *q = qkv + p->start * qkv_row, *kn = q + q_size, *vn = kn + kv_size;
+            uint16_t *a = (uint16_t *)buf->attn + p->start * q_size;
+            const int64_t *slots = st->slots + p->start;
+            if (!p->prefill) {
+                k->attention(q, qkv_row, kn, qkv_row, vn, qkv_row, ly->k_cache, ly->v_cache,
+                             slots, p->blocks, p->max_blocks, p->context_lens, p->n, Hq, Hkv,
+                             s->block_size, p->max_len, s->scale, a);
+                continue;
+            }
+            store_new_tokens(kn, qkv_row, vn, qkv_row, ly->k_cache, ly->v_cache, slots, p->n, Hkv,
+                             2, (int)D);
+            k->prefill(q, qkv_row, ly->k_cache, ly->v_cache, p->blocks, s->block_size, p->n,
+                       p->max_len, Hq, Hkv, D, s->scale, a, q_size, st->prefill_scratch);
+        }
         k->q4(buf->attn, ly->o, buf->delta, B, H, q_size);
         k->norm(x, buf->delta, ly->post_norm, buf->h, B, H, s->eps);
         k->q4(buf->h, ly->gate_up, buf->gate_up, B, 2 * I, H);

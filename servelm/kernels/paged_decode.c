@@ -135,20 +135,6 @@ INLINE void attend_one_head(const void *q, int64_t q_row, const void *k_cache,
         store_row(out, bf16, out_row + g * D, acc[g], 1.f / total[g], D);
 }
 
-INLINE void store_new_tokens(const void *k, int64_t k_stride, const void *v, int64_t v_stride,
-                             void *k_cache, void *v_cache, const int64_t *slots, int64_t B,
-                             int64_t Hkv, int64_t size, int D)
-{
-    for (int64_t b = 0; b < B; b++)
-        for (int64_t h = 0; h < Hkv; h++) {
-            const int64_t dst = (slots[b] * Hkv + h) * D * size;
-            memcpy((char *)k_cache + dst, (const char *)k + (b * k_stride + h * D) * size,
-                   D * size);
-            memcpy((char *)v_cache + dst, (const char *)v + (b * v_stride + h * D) * size,
-                   D * size);
-        }
-}
-
 /* The parallel loop is written out in each exported function (not in a shared inline one):
  * OpenMP outlines a parallel region where it is written, and only an outlined region of its
  * own sees BF16 and D as constants. Threads pay off once there are two heads and a little

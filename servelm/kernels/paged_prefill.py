@@ -86,9 +86,7 @@ class PagedPrefillKernel:
             raise ValueError("caches and the block table must be contiguous")
         if blocks.dtype != torch.int64 or out.stride(2) != 1 or out.stride(1) != d:
             raise ValueError("blocks must be int64 and out's heads side by side")
-        need = self.scratch_bytes(context_len, num_kv_heads, d)
-        if self._scratch.numel() < need:
-            self._scratch = torch.empty(max(need, 2 * self._scratch.numel()), dtype=torch.uint8)
+        scratch = self.scratch(context_len, num_kv_heads, d)
         self.fn(
             q.data_ptr(),
             q.stride(0),
@@ -104,6 +102,14 @@ class PagedPrefillKernel:
             scale,
             out.data_ptr(),
             out.stride(0),
-            self._scratch.data_ptr(),
+            scratch,
         )
         return out
+
+    def scratch(self, context_len: int, num_kv_heads: int, head_dim: int) -> int:
+        """The address of a scratch buffer for a call over `context_len` tokens; it grows by
+        doubling and is reused."""
+        need = self.scratch_bytes(context_len, num_kv_heads, head_dim)
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(max(need, 2 * self._scratch.numel()), dtype=torch.uint8)
+        return self._scratch.data_ptr()

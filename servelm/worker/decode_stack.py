@@ -28,7 +28,7 @@ _ptr, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 # The C structs of decode_stack.c, field for field.
 class _Kernels(ctypes.Structure):
-    _fields_ = [(name, _ptr) for name in ("norm", "rotary", "silu", "q4", "attention")]
+    _fields_ = [(name, _ptr) for name in ("norm", "rotary", "silu", "q4", "attention", "prefill")]
 
 
 class _Shape(ctypes.Structure):
@@ -47,12 +47,21 @@ class _Layer(ctypes.Structure):
     ]
 
 
+class _Part(ctypes.Structure):
+    _fields_ = [
+        *((name, _i64) for name in ("start", "n", "prefill")),
+        *((name, _ptr) for name in ("blocks", "context_lens")),
+        *((name, _i64) for name in ("max_blocks", "max_len")),
+    ]
+
+
 class _Step(ctypes.Structure):
     _fields_ = [
         ("B", _i64),
-        *((name, _ptr) for name in ("cos", "sin", "slots", "block_tables", "context_lens")),
-        ("max_blocks", _i64),
-        ("max_len", _i64),
+        *((name, _ptr) for name in ("cos", "sin", "slots")),
+        ("num_parts", _i64),
+        ("parts", ctypes.POINTER(_Part)),
+        ("prefill_scratch", _ptr),
     ]
 
 
@@ -141,14 +150,55 @@ class DecodeStack:
             _address(ops.fns["silu_and_mul"][torch.bfloat16]),
             _address(quant.fns["q4"]),
             _address(decode.fn),
+            _address(attn.prefill_kernel.fn) if attn.prefill_kernel is not None else None,
         )
         return cls(fn, model, attn, kernels, layers, min(max_rows))
+
+    @property
+    def takes_prompts(self) -> bool:
+        """Whether steps with prompt tokens run here too (the C prefill attention is there)."""
+        return self.attn.prefill_kernel is not None
+
+    def _parts(self, B: int) -> tuple[ctypes.Array, int]:
+        """This step's parts (see decode_stack.c) and the prefill scratch they need."""
+        meta, parts = self.attn.meta, []
+        if meta.decode_lens is not None:  # runs of consecutive decode rows, one part each
+            rows = list(range(B)) if meta.decode_rows is None else meta.decode_rows.tolist()
+            width = meta.decode_blocks.shape[1]
+            blocks, lens = meta.decode_blocks.data_ptr(), meta.decode_lens.data_ptr()
+            i = 0
+            while i < len(rows):
+                j = i + 1
+                while j < len(rows) and rows[j] == rows[j - 1] + 1:
+                    j += 1
+                parts.append(
+                    _Part(
+                        rows[i],
+                        j - i,
+                        0,
+                        blocks + 8 * i * width,
+                        lens + 8 * i,
+                        width,
+                        meta.decode_max_len,
+                    )  # fmt: skip
+                )
+                i = j
+        scratch = 0
+        for c in meta.prefills:
+            blocks = c.context_blocks
+            parts.append(_Part(c.start, c.num_tokens, 1, blocks.data_ptr(), None, blocks.numel(),
+                               c.context_len))  # fmt: skip
+            kernel, caches = self.attn.prefill_kernel, self.attn.kv_caches[0][0]
+            scratch = kernel.scratch(c.context_len, caches.shape[1], caches.shape[2])
+        parts.sort(key=lambda p: p.start)
+        return (_Part * len(parts))(*parts), scratch
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         meta = self.attn.meta
         B = input_ids.shape[0]
-        if not meta.all_decode or B > self.max_rows:
+        if B > self.max_rows or not (meta.all_decode or self.takes_prompts):
             return None
+        parts, scratch = self._parts(B)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rope.lookup(positions)
         out = torch.empty_like(x)
@@ -157,10 +207,9 @@ class DecodeStack:
             cos.data_ptr(),
             sin.data_ptr(),
             meta.slot_mapping.data_ptr(),
-            meta.decode_blocks.data_ptr(),
-            meta.decode_lens.data_ptr(),
-            meta.decode_blocks.shape[1],
-            meta.decode_max_len,
+            len(parts),
+            parts,
+            scratch,
         )
         self.fn(
             ctypes.byref(self.kernels),

@@ -12,6 +12,7 @@ from servelm import LLM, SamplingParams
 from servelm.kernels.build import compiler
 from servelm.kernels.quant_matmul import QuantMatmul
 from servelm.model.layers.linear import ALL_ROWS, c_int4_max_rows
+from tests.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="the C kernels need a C compiler")
 # decode steps of up to this many tokens take the stack here (all with AMX tiles, else 16)
@@ -23,6 +24,13 @@ BATCHES = [1, 3, 9, 40] if MAX_ROWS == ALL_ROWS else [1, 3, 9, MAX_ROWS, MAX_ROW
 def int4_llm(model_dir, **kw) -> LLM:
     return LLM(str(model_dir), dtype="bfloat16", quantization="int4", kv_cache_memory="4MiB",
                device="cpu", **kw)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def llm32(tmp_path_factory):
+    """The tiny model with 32-wide heads, which the C prefill attention takes (on AMX CPUs)."""
+    model_dir = build_tiny_model(tmp_path_factory.mktemp("tiny-llama-d32"), head_dim=32)
+    return int4_llm(model_dir, enable_prefix_caching=False)
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +81,70 @@ def test_one_step_gives_the_python_layers_hidden_states_bit_for_bit(llm, n):
     assert torch.equal(got, expected)
     for (k, v), (k0, v0) in zip(attn.kv_caches, stored, strict=True):
         assert torch.equal(k, k0) and torch.equal(v, v0)
+
+
+def hidden_both_ways(llm, seqs, ids):
+    """The stack's and the Python layers' hidden states for one step of `seqs`, and whether
+    the two stored the same K/V."""
+    runner = llm.engine.executor
+    model, attn, stack = runner.model, runner.attn, runner.decode_stack
+    pos = torch.cat([torch.arange(done, done + new) for done, new, _ in seqs])
+    for layer_k, layer_v in attn.kv_caches:  # some history to attend over
+        layer_k.normal_()
+        layer_v.normal_()
+    with torch.inference_mode():
+        attn.plan(seqs, torch.device("cpu"), torch.bfloat16)
+        expected = model(ids, pos, attn)  # stores this step's K/V, then attends
+        stored = [(k.clone(), v.clone()) for k, v in attn.kv_caches]
+        for k, v in attn.kv_caches:  # forget the stored K/V: the stack must write them itself
+            k[attn.meta.slot_mapping] = 0
+            v[attn.meta.slot_mapping] = 0
+        got = stack(ids, pos)
+    same_kv = all(
+        torch.equal(k, k0) and torch.equal(v, v0)
+        for (k, v), (k0, v0) in zip(attn.kv_caches, stored, strict=True)
+    )
+    return got, expected, same_kv
+
+
+def test_prompt_and_mixed_steps_give_the_python_layers_hidden_states_bit_for_bit(llm32):
+    runner = llm32.engine.executor
+    if runner.attn.prefill_kernel is None:
+        assert not runner.decode_stack.takes_prompts
+        pytest.skip("no C prefill attention on this CPU (no AMX): prompts take the Python path")
+    assert runner.decode_stack.takes_prompts
+    # (cached, new, blocks): decodes before, between and after two prompt chunks, one of
+    # them after 20 cached tokens, the other a fresh prompt of 37
+    seqs = [
+        (5, 1, [1]),
+        (40, 1, [2, 3, 4]),
+        (20, 30, [5, 6, 7, 8]),
+        (9, 1, [9]),
+        (0, 37, [10, 11, 12]),
+        (16, 1, [13, 14]),
+    ]
+    ids = torch.arange(3, 3 + sum(new for _, new, _ in seqs))
+    got, expected, same_kv = hidden_both_ways(llm32, seqs, ids)
+    assert got is not None and torch.equal(got, expected) and same_kv
+    got, expected, same_kv = hidden_both_ways(llm32, [(0, 50, [1, 2, 3, 4])], ids[:50])
+    assert got is not None and torch.equal(got, expected) and same_kv
+
+
+def test_generation_with_prompts_through_it_is_the_same(llm32):
+    runner = llm32.engine.executor
+    stack = runner.decode_stack
+    reqs = prompts(6, seed=4)
+    params = [SamplingParams(temperature=0, max_tokens=6 + 2 * i, logprobs=2) for i in range(6)]
+    with_stack = llm32.generate(reqs, params)
+    runner.decode_stack = None
+    try:
+        without = llm32.generate(reqs, params)
+    finally:
+        runner.decode_stack = stack
+    for a, b in zip(with_stack, without, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+    llm32.engine.check_integrity()
 
 
 @pytest.mark.parametrize("batch", BATCHES)
