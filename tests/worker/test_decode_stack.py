@@ -53,36 +53,6 @@ def test_it_is_built_and_named(llm):
     assert f"; {steps}: all layers in one C call" in runner.kernel_summary
 
 
-@pytest.mark.parametrize("n", [3, 9])  # 9: the int4 matmuls run on AMX tiles where there are any
-def test_one_step_gives_the_python_layers_hidden_states_bit_for_bit(llm, n):
-    runner = llm.engine.executor
-    model, attn, stack = runner.model, runner.attn, runner.decode_stack
-    # n requests with 20, 7, 33, 46, ... tokens cached (blocks of 16), one new token each.
-    seqs, first_block = [], 3
-    for i in range(n):
-        cached = [20, 7, 33][i] if i < 3 else 7 + 13 * i
-        blocks = list(range(first_block, first_block + cached // 16 + 1))
-        first_block += len(blocks)
-        seqs.append((cached, 1, blocks))
-    ids = torch.arange(11, 11 + n)
-    pos = torch.tensor([cached for cached, _, _ in seqs])
-    for layer_k, layer_v in attn.kv_caches:  # some history to attend over
-        layer_k.normal_()
-        layer_v.normal_()
-    with torch.inference_mode():
-        attn.plan(seqs, torch.device("cpu"), torch.bfloat16)
-        expected = model(ids, pos, attn)  # stores this step's K/V, then attends
-        stored = [(k.clone(), v.clone()) for k, v in attn.kv_caches]
-        for k, v in attn.kv_caches:  # forget the stored K/V: the stack must write them itself
-            k[attn.meta.slot_mapping] = 0
-            v[attn.meta.slot_mapping] = 0
-        got = stack(ids, pos)
-    assert got is not None
-    assert torch.equal(got, expected)
-    for (k, v), (k0, v0) in zip(attn.kv_caches, stored, strict=True):
-        assert torch.equal(k, k0) and torch.equal(v, v0)
-
-
 def hidden_both_ways(llm, seqs, ids):
     """The stack's and the Python layers' hidden states for one step of `seqs`, and whether
     the two stored the same K/V."""
@@ -105,6 +75,19 @@ def hidden_both_ways(llm, seqs, ids):
         for (k, v), (k0, v0) in zip(attn.kv_caches, stored, strict=True)
     )
     return got, expected, same_kv
+
+
+@pytest.mark.parametrize("n", [3, 9])  # 9: the int4 matmuls run on AMX tiles where there are any
+def test_one_step_gives_the_python_layers_hidden_states_bit_for_bit(llm, n):
+    # n requests with 20, 7, 33, 46, ... tokens cached (blocks of 16), one new token each.
+    seqs, first_block = [], 3
+    for i in range(n):
+        cached = [20, 7, 33][i] if i < 3 else 7 + 13 * i
+        blocks = list(range(first_block, first_block + cached // 16 + 1))
+        first_block += len(blocks)
+        seqs.append((cached, 1, blocks))
+    got, expected, same_kv = hidden_both_ways(llm, seqs, torch.arange(11, 11 + n))
+    assert got is not None and torch.equal(got, expected) and same_kv
 
 
 def test_prompt_and_mixed_steps_give_the_python_layers_hidden_states_bit_for_bit(llm32):
