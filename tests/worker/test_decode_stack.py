@@ -113,31 +113,9 @@ def test_prompt_and_mixed_steps_give_the_python_layers_hidden_states_bit_for_bit
     assert got is not None and torch.equal(got, expected) and same_kv
 
 
-def test_generation_with_prompts_through_it_is_the_same(llm32):
-    runner = llm32.engine.executor
+def assert_same_generation_without_it(llm, reqs, params) -> None:
+    runner = llm.engine.executor
     stack = runner.decode_stack
-    reqs = prompts(6, seed=4)
-    params = [SamplingParams(temperature=0, max_tokens=6 + 2 * i, logprobs=2) for i in range(6)]
-    with_stack = llm32.generate(reqs, params)
-    runner.decode_stack = None
-    try:
-        without = llm32.generate(reqs, params)
-    finally:
-        runner.decode_stack = stack
-    for a, b in zip(with_stack, without, strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert a.outputs[0].logprobs == b.outputs[0].logprobs
-    llm32.engine.check_integrity()
-
-
-@pytest.mark.parametrize("batch", BATCHES)
-def test_generation_is_the_same_with_and_without_it(llm, batch):
-    # batch > MAX_ROWS: the first steps are too big for the stack and fall back, the last
-    # ones (as requests finish at different lengths) take it again. With AMX tiles the stack
-    # takes every decode step, and 40 requests go through the scratch rows grown from 9.
-    runner, stack = llm.engine.executor, llm.engine.executor.decode_stack
-    reqs = prompts(batch, seed=batch)
-    params = [SamplingParams(temperature=0, max_tokens=8 + 3 * i, logprobs=2) for i in range(batch)]
     with_stack = llm.generate(reqs, params)
     runner.decode_stack = None
     try:
@@ -151,11 +129,25 @@ def test_generation_is_the_same_with_and_without_it(llm, batch):
     assert llm.engine.scheduler.kv.usage() == 0.0
 
 
+def test_generation_with_prompts_through_it_is_the_same(llm32):
+    params = [SamplingParams(temperature=0, max_tokens=6 + 2 * i, logprobs=2) for i in range(6)]
+    assert_same_generation_without_it(llm32, prompts(6, seed=4), params)
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+def test_generation_is_the_same_with_and_without_it(llm, batch):
+    # batch > MAX_ROWS: the first steps are too big for the stack and fall back, the last
+    # ones (as requests finish at different lengths) take it again. With AMX tiles the stack
+    # takes every decode step, and 40 requests go through the scratch rows grown from 9.
+    params = [SamplingParams(temperature=0, max_tokens=8 + 3 * i, logprobs=2) for i in range(batch)]
+    assert_same_generation_without_it(llm, prompts(batch, seed=batch), params)
+
+
 def test_steps_it_does_not_take(llm):
     runner = llm.engine.executor
     stack, attn = runner.decode_stack, runner.attn
     with torch.inference_mode():
-        # a prefill (no tokens cached yet)
+        # a prefill (no tokens cached yet): this model's 16-wide heads have no C prefill attention
         attn.plan([(0, 4, [1])], torch.device("cpu"), torch.bfloat16)
         assert stack(torch.tensor([5, 6, 7, 8]), torch.arange(4)) is None
         if MAX_ROWS == ALL_ROWS:  # no decode step is too big
