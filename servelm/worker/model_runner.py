@@ -187,6 +187,8 @@ class ModelRunner:
         if self.decode_stack is not None:
             rows = self.decode_stack_max_tokens
             steps = "decode steps" if rows == ALL_ROWS else f"decode steps of <= {rows} tokens"
+            if self.decode_stack.takes_prompts:
+                steps = "every step" if rows == ALL_ROWS else f"prompt steps and {steps}"
             summary += f"; {steps}: all layers in one C call"
         return summary
 

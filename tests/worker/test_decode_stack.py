@@ -96,6 +96,8 @@ def test_prompt_and_mixed_steps_give_the_python_layers_hidden_states_bit_for_bit
         assert not runner.decode_stack.takes_prompts
         pytest.skip("no C prefill attention on this CPU (no AMX): prompts take the Python path")
     assert runner.decode_stack.takes_prompts
+    steps = "every step" if MAX_ROWS == ALL_ROWS else "prompt steps and decode steps of"
+    assert f"; {steps}" in runner.kernel_summary
     # (cached, new, blocks): decodes before, between and after two prompt chunks, one of
     # them after 20 cached tokens, the other a fresh prompt of 37
     seqs = [
