@@ -165,36 +165,27 @@ class DecodeStack:
 
     def _parts(self, B: int) -> tuple[ctypes.Array, int]:
         """This step's parts (see decode_stack.c) and the prefill scratch they need."""
-        meta, parts = self.attn.meta, []
+        meta, parts, scratch = self.attn.meta, [], 0
         if meta.decode_lens is not None:  # runs of consecutive decode rows, one part each
             rows = list(range(B)) if meta.decode_rows is None else meta.decode_rows.tolist()
-            width = meta.decode_blocks.shape[1]
-            blocks, lens = meta.decode_blocks.data_ptr(), meta.decode_lens.data_ptr()
-            i = 0
+            width, blocks = meta.decode_blocks.shape[1], meta.decode_blocks.data_ptr()
+            lens, i = meta.decode_lens.data_ptr(), 0
             while i < len(rows):
                 j = i + 1
                 while j < len(rows) and rows[j] == rows[j - 1] + 1:
                     j += 1
-                parts.append(
-                    _Part(
-                        rows[i],
-                        j - i,
-                        0,
-                        blocks + 8 * i * width,
-                        lens + 8 * i,
-                        width,
-                        meta.decode_max_len,
-                    )  # fmt: skip
-                )
+                table, n = blocks + 8 * i * width, j - i  # int64 entries
+                parts.append(_Part(rows[i], n, 0, table, lens + 8 * i, width, meta.decode_max_len))
                 i = j
-        scratch = 0
+        kernel, cache = self.attn.prefill_kernel, self.attn.kv_caches[0][0]
         for c in meta.prefills:
-            blocks = c.context_blocks
-            parts.append(_Part(c.start, c.num_tokens, 1, blocks.data_ptr(), None, blocks.numel(),
-                               c.context_len))  # fmt: skip
-            kernel, caches = self.attn.prefill_kernel, self.attn.kv_caches[0][0]
-            scratch = kernel.scratch(c.context_len, caches.shape[1], caches.shape[2])
-        parts.sort(key=lambda p: p.start)
+            table = c.context_blocks
+            parts.append(
+                _Part(
+                    c.start, c.num_tokens, 1, table.data_ptr(), None, table.numel(), c.context_len
+                )
+            )
+            scratch = kernel.scratch(c.context_len, cache.shape[1], cache.shape[2])  # grows only
         return (_Part * len(parts))(*parts), scratch
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
