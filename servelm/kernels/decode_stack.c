@@ -73,7 +73,7 @@ struct part {
     int64_t max_blocks, max_len;
 };
 
-/* This step: B tokens, their rotary rows, where their K/V go, and its parts in row order. */
+/* This step: B tokens, their rotary rows, where their K/V go, and its parts (each row in one). */
 struct step {
     int64_t B;
     const void *cos, *sin;                       /* [B, head_dim] */
