@@ -113,6 +113,12 @@ def test_prompt_and_mixed_steps_give_the_python_layers_hidden_states_bit_for_bit
     assert got is not None and torch.equal(got, expected) and same_kv
     got, expected, same_kv = hidden_both_ways(llm32, [(0, 50, [1, 2, 3, 4])], ids[:50])
     assert got is not None and torch.equal(got, expected) and same_kv
+    # With prefix caching a request may read blocks that another request of the same step is
+    # computing: here a decode (row 0) reads block 5, which the prompt after it writes. Every
+    # token's K/V must be stored before any part attends, as the Python layers do.
+    shared = [(16, 1, [5, 6]), (3, 1, [8]), (0, 20, [5, 7])]
+    got, expected, same_kv = hidden_both_ways(llm32, shared, ids[:22])
+    assert got is not None and torch.equal(got, expected) and same_kv
 
 
 def assert_same_generation_without_it(llm, reqs, params) -> None:
