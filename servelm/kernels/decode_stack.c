@@ -11,8 +11,8 @@
  *
  *   h = norm(x += delta)                    add_rms_norm   (no add before the first layer)
  *   qkv = h Wqkv^T;  rotate q and k         q4_matmul, rotary
- *   store k, v at slots; a = attention(q)   paged_decode for decode tokens, paged_prefill for
- *                                           each request's new tokens
+ *   a = attention(q; store k, v at slots)   paged_decode for decode tokens (storing theirs);
+ *                                           prompt tokens stored first, then paged_prefill
  *   delta = a Wo^T;  h = norm(x += delta)   q4_matmul, add_rms_norm
  *   delta = silu(h Wg^T) * (h Wu^T) Wd^T    q4_matmul, silu_and_mul, q4_matmul
  *
@@ -105,21 +105,28 @@ void decode_stack_bf16(const struct kernels *k, const struct shape *s, const str
         k->norm(x, delta, ly->input_norm, buf->h, B, H, s->eps);
         k->q4(buf->h, ly->qkv, qkv, B, qkv_row, H);
         k->rotary(qkv, qkv_row, B, Hq + Hkv, D, st->cos, st->sin);
-        /* every new token's K/V first: a part may read blocks another part writes (a request
-         * whose cached prefix another request of the step is computing) */
-        store_new_tokens(qkv + q_size, qkv_row, qkv + q_size + kv_size, qkv_row, ly->k_cache,
-                         ly->v_cache, st->slots, B, Hkv, 2, (int)D);
+        /* prompt tokens' K/V first: another part may read the blocks they fill (a request
+         * whose cached prefix another request of the step is computing); a decode token's
+         * block is its own request's last, which no other part reads, and the decode kernel
+         * stores it itself */
         for (int64_t i = 0; i < st->num_parts; i++) {
             const struct part *p = &st->parts[i];
-            const uint16_t *q = qkv + p->start * qkv_row;
+            const uint16_t *kn = qkv + p->start * qkv_row + q_size;
+            if (p->prefill)
+                store_new_tokens(kn, qkv_row, kn + kv_size, qkv_row, ly->k_cache, ly->v_cache,
+                                 st->slots + p->start, p->n, Hkv, 2, (int)D);
+        }
+        for (int64_t i = 0; i < st->num_parts; i++) {
+            const struct part *p = &st->parts[i];
+            const uint16_t *q = qkv + p->start * qkv_row, *kn = q + q_size, *vn = kn + kv_size;
             uint16_t *a = (uint16_t *)buf->attn + p->start * q_size;
             if (p->prefill)
                 k->prefill(q, qkv_row, ly->k_cache, ly->v_cache, p->blocks, s->block_size, p->n,
                            p->max_len, Hq, Hkv, D, s->scale, a, q_size, st->prefill_scratch);
-            else /* no slots: nothing more to store */
-                k->attention(q, qkv_row, NULL, 0, NULL, 0, ly->k_cache, ly->v_cache, NULL,
-                             p->blocks, p->max_blocks, p->context_lens, p->n, Hq, Hkv,
-                             s->block_size, p->max_len, s->scale, a);
+            else
+                k->attention(q, qkv_row, kn, qkv_row, vn, qkv_row, ly->k_cache, ly->v_cache,
+                             st->slots + p->start, p->blocks, p->max_blocks, p->context_lens,
+                             p->n, Hq, Hkv, s->block_size, p->max_len, s->scale, a);
         }
         k->q4(buf->attn, ly->o, buf->delta, B, H, q_size);
         k->norm(x, buf->delta, ly->post_norm, buf->h, B, H, s->eps);
