@@ -163,20 +163,26 @@ class DecodeStack:
         """Whether steps with prompt tokens run here too (the C prefill attention is there)."""
         return self.attn.prefill_kernel is not None
 
-    def _parts(self, B: int) -> tuple[ctypes.Array, int]:
+    def _parts(self) -> tuple[ctypes.Array, int]:
         """This step's parts (see decode_stack.c) and the prefill scratch they need."""
         meta, parts, scratch = self.attn.meta, [], 0
         if meta.decode_lens is not None:  # runs of consecutive decode rows, one part each
-            rows = list(range(B)) if meta.decode_rows is None else meta.decode_rows.tolist()
+            n = meta.decode_lens.shape[0]
+            if meta.decode_rows is None:  # an all-decode step: one run of every row
+                runs = [(0, 0, n)]
+            else:  # a run ends where the next decode row is not the next row of the step
+                rows, runs, i = meta.decode_rows.tolist(), [], 0
+                for j in range(1, n + 1):
+                    if j == n or rows[j] != rows[j - 1] + 1:
+                        runs.append((rows[i], i, j))
+                        i = j
             width, blocks = meta.decode_blocks.shape[1], meta.decode_blocks.data_ptr()
-            lens, i = meta.decode_lens.data_ptr(), 0
-            while i < len(rows):
-                j = i + 1
-                while j < len(rows) and rows[j] == rows[j - 1] + 1:
-                    j += 1
-                table, n = blocks + 8 * i * width, j - i  # int64 entries
-                parts.append(_Part(rows[i], n, 0, table, lens + 8 * i, width, meta.decode_max_len))
-                i = j
+            lens = meta.decode_lens.data_ptr()
+            for start, i, j in runs:  # decode rows i .. j - 1, at step rows start ..; int64 tables
+                table = blocks + 8 * i * width
+                parts.append(
+                    _Part(start, j - i, 0, table, lens + 8 * i, width, meta.decode_max_len)
+                )
         kernel, cache = self.attn.prefill_kernel, self.attn.kv_caches[0][0]
         for c in meta.prefills:
             table = c.context_blocks
@@ -193,7 +199,7 @@ class DecodeStack:
         B = input_ids.shape[0]
         if B > self.max_rows or not (meta.all_decode or self.takes_prompts):
             return None
-        parts, scratch = self._parts(B)
+        parts, scratch = self._parts()
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rope.lookup(positions)
         out = torch.empty_like(x)
