@@ -26,10 +26,12 @@
  * the file's dequantization does) and runs the rows of x through them, 32 rows by 32 columns in
  * four accumulator tiles that sum over all of K. A weight is read from memory as 4 bits and
  * unpacked once per call (per MiB of x), not once per tile of rows, so this serves prompts as
- * well as decode batches. At 108 rows of the default model (a prompt's new tokens after a
- * cached prefix) its matmuls are as fast as oneDNN's on a bfloat16 copy when both weights are
- * in cache, and in a serving engine, where the decode steps keep the 4-bit weights in cache,
- * a prefill step of up to 1,024 tokens takes 20-40 % less (`benchmarks/quant_matmul.py`).
+ * well as decode batches. One layer's four matmuls of the default model against oneDNN's on a
+ * bfloat16 copy, weights from memory (`benchmarks/quant_matmul.py`): 658 vs 1,267 us at 33
+ * rows, 1,137 vs 1,621 at 108 (a prompt's new tokens after a cached prefix), 1,943 vs 2,354 at
+ * 256, 6,877 vs 8,096 at 1,108; with both weights in cache they are about even. In the engine,
+ * where the decode steps keep the 4-bit weights in cache, prompt steps of 64-1,024 tokens took
+ * 20-40 % less than on the bf16 copy.
  * Each call configures the tiles on every thread and releases them at the end, as torch's and
  * oneDNN's AMX kernels, which share the registers, expect.
  *
