@@ -1,7 +1,9 @@
 """Server-side view of a run: scrape Prometheus /metrics before, during and after it.
 
-Works with any server exposing `servelm:` or `vllm:` metric names (same suffixes). Counters are
-reported as deltas over the run, gauges as peaks polled during it, and the server's TTFT median
+Works with any server exposing `servelm:` or `vllm:` metric names (same suffixes), plus the
+standard `process_cpu_seconds_total` of the process that serves /metrics (for servelm and
+vLLM, the API process: its CPU per streamed token is what `servelm simulate --calibrate-bench`
+prices). Counters are reported as deltas over the run, gauges as peaks polled during it, and the server's TTFT median
 is estimated from the delta of its histogram buckets (linear within a bucket, as Prometheus'
 histogram_quantile does). Names are matched on the sample, with `_total` stripped, because the
 parser strips it from counter family names but not from samples of untyped metrics.
@@ -26,7 +28,10 @@ COUNTERS = (
     "prefix_cache_queries",
     "prefix_cache_hits",
     "num_preemptions",
+    "engine_steps",  # servelm only: step messages the API process handled
+    "process_cpu_seconds",
 )
+PROCESS_CPU = "process_cpu_seconds_total"  # prometheus_client's process collector, unprefixed
 GAUGES = ("kv_cache_usage_perc", "num_requests_waiting", "num_requests_running")
 TTFT_BUCKETS = "time_to_first_token_seconds_bucket"
 # older vLLM names -> the current suffix
@@ -56,6 +61,9 @@ def parse_metrics(text: str) -> Snapshot | None:
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
+                if sample.name == PROCESS_CPU:
+                    values["process_cpu_seconds"] += sample.value
+                    continue
                 if not sample.name.startswith(prefix + ":"):
                     continue
                 name = sample.name[len(prefix) + 1 :]

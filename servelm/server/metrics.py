@@ -7,7 +7,14 @@ in the API process, on one clock.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 
 from servelm.engine.outputs import SchedulerStats
 
@@ -60,6 +67,7 @@ _ITL_BUCKETS = (
 class ServerMetrics:
     def __init__(self, model_name: str, block_size: int, num_blocks: int) -> None:
         self.registry = r = CollectorRegistry()
+        ProcessCollector(registry=r)  # process_cpu_seconds_total etc. of the API process
         labels = ["model_name"]
         p = "servelm:"
         self.running = Gauge(
@@ -79,6 +87,12 @@ class ServerMetrics:
         )
         self.prefix_hits = Counter(
             p + "prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels, registry=r
+        )
+        self.engine_steps = Counter(
+            p + "engine_steps",
+            "Engine steps whose outputs this (API) process handled.",
+            labels,
+            registry=r,
         )
         self.prompt_tokens = Counter(
             p + "prompt_tokens", "Prompt tokens of requests served.", labels, registry=r
@@ -140,6 +154,7 @@ class ServerMetrics:
             self.prompt_tokens,
             self.generation_tokens,
             self.preemptions,
+            self.engine_steps,
         ):
             m.labels(model_name)  # present (at zero) from the start
 
@@ -148,6 +163,7 @@ class ServerMetrics:
         self.running.labels(m).set(stats.num_running)
         self.waiting.labels(m).set(stats.num_waiting)
         self.kv_usage.labels(m).set(stats.kv_cache_usage)
+        self.engine_steps.labels(m).inc()
         if stats.prefix_cache_queries:
             self.prefix_queries.labels(m).inc(stats.prefix_cache_queries)
             self.prefix_hits.labels(m).inc(stats.prefix_cache_hits)

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from servelm.bench.results import Load
 from servelm.bench.workload import WorkloadSpec
 from servelm.config import EngineArgs
@@ -243,20 +245,59 @@ def calibrate_from_trace(
     )
 
 
+def _bench_list(benches: dict[str, Any] | Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [benches] if isinstance(benches, dict) else list(benches)
+
+
+def fit_api_process(
+    benches: dict[str, Any] | Sequence[dict[str, Any]],
+) -> tuple[float, float] | None:
+    """The API process's CPU seconds (per engine step, per streamed token), from `servelm bench`
+    results: least squares of each level's `process_cpu_seconds` on its `engine_steps` and
+    `generation_tokens` (deltas scraped from /metrics), neither below zero. Levels of one
+    output length differ in tokens per step, which is what tells the two apart; without
+    `engine_steps` (a server that does not count them), or without two levels that differ,
+    everything is per token. None when no
+    level has the process's CPU time.
+
+    Each request's own handling (HTTP, tokenizing the prompt) is in that CPU time too, spread
+    over what the fit sees: the simulator prices the API process by steps and tokens.
+    """
+    rows = []
+    for bench in _bench_list(benches):
+        for run in bench.get("runs", []):
+            server = run.get("server") or {}
+            cpu, tokens = server.get("process_cpu_seconds"), server.get("generation_tokens")
+            if cpu and tokens:
+                rows.append((float(server.get("engine_steps") or 0.0), float(tokens), cpu))
+    if not rows:
+        return None
+    steps, tokens, cpu = (np.array(column) for column in zip(*rows, strict=True))
+    design = np.stack([steps, tokens], 1)
+    if steps.all() and np.linalg.matrix_rank(design) == 2:  # two levels that differ
+        (per_step, per_token), *_ = np.linalg.lstsq(design, cpu, rcond=None)
+        if per_step >= 0 and per_token >= 0:
+            return float(per_step), float(per_token)
+        if per_token < 0:  # one cost only: whichever the data allow
+            return float(cpu.sum() / steps.sum()), 0.0
+    return 0.0, float(cpu.sum() / tokens.sum())
+
+
 def fit_frontend_latency(
     config: SimConfig, benches: dict[str, Any] | Sequence[dict[str, Any]]
 ) -> float:
     """What a server adds outside its engine steps, in seconds, from `servelm bench` results.
 
     `benches` are the bench results (`servelm bench --out`) of the traced runs and `config` the
-    deployment as simulated, with the profile fitted to those traces: each bench level is
-    simulated with the same workload, request count and seed, and the answer is the median over
-    levels of real TTFT p50 minus simulated TTFT p50 (never below zero). The steps are already
-    priced as traced, so what remains is the request's way in and its first token's way out.
+    deployment as simulated, with the profile fitted to those traces (and its API process's
+    costs from `fit_api_process`, if known): each bench level is simulated with the same workload,
+    request count and seed, and the answer is the median over levels of real TTFT p50 minus
+    simulated TTFT p50 (never below zero). The steps are already priced as traced, so what
+    remains is the request's way in and its first token's way out.
     """
     profile = replace(device_profile(config), frontend_latency_s=0.0)
     gaps = []
-    for bench in [benches] if isinstance(benches, dict) else benches:
+    for bench in _bench_list(benches):
         try:
             run_cfg = bench["config"]
             level_config = config.with_(

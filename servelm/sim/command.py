@@ -231,6 +231,9 @@ def _profile_from_args(args: argparse.Namespace, console: Console) -> str | None
         p = cal.profile_file.profile
         if args.calibrate_bench:
             benches = [json.loads(Path(f).read_text()) for f in args.calibrate_bench]
+            api = calib.fit_api_process(benches)
+            if api is not None:
+                p = replace(p, frontend_per_step_s=api[0], frontend_per_token_s=api[1])
             args.loaded_profile = p
             config = config_from_args(args, cal.profile_file.model)
             p = replace(p, frontend_latency_s=calib.fit_frontend_latency(config, benches))
@@ -243,7 +246,8 @@ def _profile_from_args(args: argparse.Namespace, console: Console) -> str | None
             stack = f"; decode stack ({steps}): "
             stack += _rates(p.decode_stack)
         console.print(
-            f"fitted {_rates(p)}, {p.frontend_latency_s * 1e3:.1f} ms outside steps{stack}; "
+            f"fitted {_rates(p)}, {p.frontend_latency_s * 1e3:.1f} ms outside steps"
+            f"{_api_rate(p)}{stack}; "
             f"held-out errors {_errors(cal.held_out_errors)}; wrote {args.profile_out}",
             highlight=False,
         )
@@ -260,6 +264,15 @@ def _rates(p: DeviceProfile) -> str:
     return (
         f"{_flops(p.peak_flops)}, {_bandwidth(p.mem_bandwidth)}, "
         f"{p.step_overhead_s * 1e3:.1f} ms per step, {p.per_request_s * 1e3:.2f} ms per request"
+    )
+
+
+def _api_rate(p: DeviceProfile) -> str:
+    if not (p.frontend_per_step_s or p.frontend_per_token_s):
+        return ""
+    return (
+        f"; API process {p.frontend_per_step_s * 1e3:.2f} ms per step + "
+        f"{p.frontend_per_token_s * 1e3:.2f} ms per streamed token"
     )
 
 

@@ -41,6 +41,7 @@ class ExecutorTotals:
     busy_s: float = 0.0
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    sampled_tokens: int = 0  # tokens generated, each request's first (from its prompt) included
 
 
 class SimExecutor:
@@ -66,4 +67,5 @@ class SimExecutor:
         totals.busy_s += cost.total_s
         totals.prefill_tokens += step.prefill_tokens
         totals.decode_tokens += step.decode_tokens
+        totals.sampled_tokens += step.sampled_tokens
         return ModelRunnerOutput(sampled)

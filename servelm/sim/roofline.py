@@ -81,6 +81,12 @@ class DeviceProfile:
     # seconds a request spends outside the engine's steps before the client sees a token
     # (HTTP, tokenizing, IPC both ways, detokenizing, streaming): added to TTFT and e2e
     frontend_latency_s: float = 0.0
+    # the API process's work on each step's outputs: per step (receiving and unpacking the
+    # engine's message) and per token (detokenizing, framing, sending; each request's own
+    # handling spread over its tokens). It handles them one step after another, so a server
+    # streaming many requests queues their tokens there (0 and 0: no such queue)
+    frontend_per_step_s: float = 0.0
+    frontend_per_token_s: float = 0.0
     # the engine's second path: decode-only steps of at most this many tokens cost what
     # `decode_stack` says (see the module docstring); None / 0: one path for every step
     decode_stack: DeviceProfile | None = None

@@ -10,7 +10,11 @@ arrivals (known up front) and steps. The loop repeatedly takes the earlier of
 
 An arrival at exactly a step's start joins that step. Tokens a step samples are stamped with
 the step's end, plus the profile's `frontend_latency_s` (the time outside the engine's steps
-that a server adds): TTFT = first token - arrival, e2e = last token - arrival. Routing sees each
+that a server adds): TTFT = first token - arrival, e2e = last token - arrival. With the
+profile's `frontend_per_step_s` and `frontend_per_token_s`, each replica's API process is a
+queue of its own: a step's tokens are handed to it at the step's end and reach their clients
+once it has handled the step (one per-step cost, one per-token cost for each), after whatever
+it had still to do; its busy time is reported as the server's `process_cpu_seconds`. Routing sees each
 replica as of its latest step, whose results count as done even while it is still running.
 """
 
@@ -72,6 +76,7 @@ class ReplicaReport:
     peak_waiting: int = 0
     peak_running: int = 0
     peak_kv_usage: float = 0.0
+    api_busy_s: float = 0.0  # the API process's work on this level's tokens
     # (time s, waiting, running, KV usage 0-1), every duration/TIMELINE_POINTS seconds
     timeline: list[tuple[float, int, int, float]] = field(default_factory=list)
 
@@ -84,6 +89,9 @@ class Replica:
         self.engine = EngineCore(deployment.scheduler, self.executor)
         self.scheduler = self.engine.scheduler
         self.free_at = 0.0
+        self.api_free_at = 0.0  # when the API process has handled every token handed to it
+        self._per_step_s = deployment.profile.frontend_per_step_s
+        self._per_token_s = deployment.profile.frontend_per_token_s
         self.report = ReplicaReport(index)
         self._sample_every_s = sample_every_s
         self._next_sample_s = 0.0
@@ -96,7 +104,8 @@ class Replica:
         return len(self.scheduler.requests)
 
     def step(self) -> tuple[float, list[Any]]:
-        """Run one engine step starting at `free_at`; return (end time, engine outputs)."""
+        """Run one engine step starting at `free_at`; return (the time its tokens reach the
+        clients, engine outputs): the step's end, or later when the API process is busy."""
         outputs, stats = self.engine.step()
         if not self.executor.last.num_requests:
             raise SimulationError(
@@ -118,6 +127,11 @@ class Replica:
         if end >= self._next_sample_s:
             rep.timeline.append((end, stats.num_waiting, stats.num_running, stats.kv_cache_usage))
             self._next_sample_s = end + self._sample_every_s
+        if (self._per_step_s or self._per_token_s) and outputs:
+            work = self._per_step_s + self._per_token_s * len(outputs)
+            rep.api_busy_s += work
+            self.api_free_at = max(end, self.api_free_at) + work
+            return self.api_free_at, outputs
         return end, outputs
 
     def finish_report(self) -> ReplicaReport:
@@ -125,7 +139,7 @@ class Replica:
         self.report.steps = totals.steps
         self.report.busy_s = totals.busy_s
         self.report.prompt_tokens_computed = totals.prefill_tokens
-        self.report.generation_tokens = totals.decode_tokens
+        self.report.generation_tokens = totals.sampled_tokens  # as a server's counter counts
         return self.report
 
 

@@ -84,6 +84,8 @@ def server_block(outcome: LevelOutcome) -> dict[str, Any]:
         "prefix_cache_queries": queries,
         "prefix_cache_hits": hits,
         "num_preemptions": sum(r.num_preemptions for r in reps),
+        "engine_steps": sum(r.steps for r in reps),
+        "process_cpu_seconds": sum(r.api_busy_s for r in reps) or None,  # None: not modelled
         "prefix_cache_hit_rate": hits / queries if queries else None,
         "ttft_p50_ms": ttfts[len(ttfts) // 2] * 1000 if ttfts else None,
         "peak_kv_cache_usage_perc": max(r.peak_kv_usage for r in reps),

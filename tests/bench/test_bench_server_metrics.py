@@ -52,7 +52,19 @@ def test_parse_vllm_names_and_aliases() -> None:
     assert snapshot is not None and snapshot.prefix == "vllm"
     assert snapshot.values["kv_cache_usage_perc"] == 0.25  # old gpu_ name
     assert snapshot.values["num_preemptions"] == 2
-    assert "process_cpu_seconds" not in snapshot.values
+    assert snapshot.values["process_cpu_seconds"] == 12.0  # the standard, unprefixed name
+
+
+def test_report_has_the_serving_process_cpu_of_the_run() -> None:
+    before = parse_metrics(VLLM_TEXT)
+    after = parse_metrics(
+        VLLM_TEXT.replace("process_cpu_seconds_total 12.0", "process_cpu_seconds_total 15.5")
+    )
+    assert before is not None and after is not None
+    assert server_report(before, after)["process_cpu_seconds"] == pytest.approx(3.5)
+    no_process = parse_metrics(VLLM_TEXT.replace("process_cpu_seconds_total 12.0\n", ""))
+    assert no_process is not None
+    assert server_report(no_process, no_process)["process_cpu_seconds"] is None
 
 
 def test_parse_without_engine_metrics() -> None:

@@ -17,7 +17,11 @@ from servelm.engine.step_trace import (
     read_step_trace,
     read_trace_engine,
 )
-from servelm.sim.calibrate import calibrate_from_trace, fit_frontend_latency
+from servelm.sim.calibrate import (
+    calibrate_from_trace,
+    fit_api_process,
+    fit_frontend_latency,
+)
 from servelm.sim.config import SimConfig
 from servelm.sim.executor import price
 from servelm.sim.profiles import load_profile
@@ -98,6 +102,45 @@ def test_frontend_latency_is_what_the_real_runs_add_to_the_simulated_ttft():
     assert with_it["tpot_ms"]["p50"] == pytest.approx(without["tpot_ms"]["p50"])
 
 
+def test_the_api_process_queues_tokens_and_its_costs_are_recovered():
+    # "Real" results: the simulator with an API process that spends 2 ms per engine step and
+    # 0.5 ms per streamed token, and 20 ms outside the steps; its bench result reports that
+    # process's busy time and the steps it handled.
+    workload = WorkloadSpec.from_preset("chat", input_len=128, output_len=16)
+    api = replace(TRUE, frontend_per_step_s=0.002, frontend_per_token_s=0.0005)
+    real = SimConfig(model="smollm2-135m", profile=replace(api, frontend_latency_s=0.02),
+                     workload=workload, num_requests=60, seed=3, kv_cache_gb=0.5)  # fmt: skip
+    loads = [Load(rate=0.1), Load(rate=3.0), Load(rate=12.0)]  # alone, a few, many at once
+    bench = run_sweep(real, loads).to_dict()
+    for run in bench["runs"]:
+        server = run["server"]
+        busy = 0.002 * server["engine_steps"] + 0.0005 * server["generation_tokens"]
+        assert server["process_cpu_seconds"] == pytest.approx(busy)
+    assert fit_api_process(bench) == pytest.approx((0.002, 0.0005))
+    # with the API process's costs known, the latency outside the steps is the rest
+    fitted = real.with_(profile=api, seed=99, num_requests=5)
+    assert fit_frontend_latency(fitted, bench) == pytest.approx(0.02, abs=1e-6)
+    # The queue: a lone request's first token waits for its own step's handling only; under
+    # load for every token of its step and the API process's backlog, so the gap grows.
+    plain = run_sweep(real.with_(profile=TRUE), loads).runs
+    queued = run_sweep(real.with_(profile=api), loads).runs
+    gaps = [
+        q.summary["ttft_ms"]["p50"] - p.summary["ttft_ms"]["p50"]
+        for q, p in zip(queued, plain, strict=True)
+    ]
+    assert gaps[0] == pytest.approx(2.5, abs=0.05)  # ms: one step, one token
+    assert gaps[2] > 3 * gaps[0]
+    # without the step counts (a server that does not export them) all of it is per token
+    for run in bench["runs"]:
+        run["server"]["engine_steps"] = None
+    per_step, per_token = fit_api_process(bench)
+    assert per_step == 0 and per_token > 0.0005
+    # and without the process's CPU time there is nothing to fit
+    for run in bench["runs"]:
+        run["server"]["process_cpu_seconds"] = None
+    assert fit_api_process(bench) is None
+
+
 def test_cli_fits_a_trace_and_a_bench_run_into_one_profile(tmp_path, tiny_model_dir):
     from servelm.planner.shapes import shape_from_folder
     from servelm.sim.roofline import ModelCost
@@ -107,9 +150,13 @@ def test_cli_fits_a_trace_and_a_bench_run_into_one_profile(tmp_path, tiny_model_
     steps += [StepComposition(0, b, b * 64, b * 65, b, b) for b in (1, 4, 16, 24, 48)]
     _synthetic_trace(tmp_path / "steps.jsonl", cost, steps)
     workload = WorkloadSpec.from_preset("chat", input_len=64, output_len=8)
-    real = SimConfig(model=str(tiny_model_dir), profile=replace(TRUE, frontend_latency_s=0.02),
+    real_profile = replace(
+        TRUE, frontend_latency_s=0.02, frontend_per_step_s=0.001, frontend_per_token_s=0.0005
+    )
+    real = SimConfig(model=str(tiny_model_dir), profile=real_profile,
                      workload=workload, num_requests=20, kv_cache_gb=0.1)  # fmt: skip
-    (tmp_path / "bench.json").write_text(json.dumps(run_sweep(real, [Load(rate=2.0)]).to_dict()))
+    bench = run_sweep(real, [Load(rate=0.2), Load(rate=4.0)]).to_dict()
+    (tmp_path / "bench.json").write_text(json.dumps(bench))
     out = tmp_path / "cpu.json"
     code = main(["simulate", "--calibrate-trace", str(tmp_path / "steps.jsonl"),
                  "--calibrate-bench", str(tmp_path / "bench.json"),
@@ -118,6 +165,8 @@ def test_cli_fits_a_trace_and_a_bench_run_into_one_profile(tmp_path, tiny_model_
     assert code == 0
     saved = load_profile(out)
     assert saved.profile.frontend_latency_s == pytest.approx(0.02, abs=1e-3)
+    assert saved.profile.frontend_per_step_s == pytest.approx(0.001)
+    assert saved.profile.frontend_per_token_s == pytest.approx(0.0005)
     assert saved.profile.step_overhead_s == pytest.approx(0.040, rel=0.02)
     assert saved.fit["steps"] == len(steps)
 
