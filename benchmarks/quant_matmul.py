@@ -1,5 +1,5 @@
 """Time the C Q4_1 matmuls of one layer of the default model's shape, side by side: the build
-this CPU takes (AMX tiles from 5 rows where the CPU has them) against the same source built
+this CPU takes (AMX tiles from 6 rows where the CPU has them) against the same source built
 without AMX (`-mno-amx-tile`: the AVX-512 BF16 vector path at every batch); then, at prompt
 sizes, the default build against oneDNN's bf16 matmul (torch's packed linear, what the engine
 runs where it keeps a bf16 weight) on the same weights in bfloat16.

@@ -79,9 +79,9 @@ def loaded_bf16(w: torch.Tensor) -> torch.Tensor:
     return w.float().bfloat16().double()
 
 
-# AMX: from 5 rows, in tiles of 16 rows; 32 columns a pass (48: one block of 16 left over);
+# AMX: from 6 rows, in tiles of 16 rows; 32 columns a pass (48: one block of 16 left over);
 # 1,108 rows of K = 576 and 400 of K = 1,536 take two passes over W (1 MiB of x each).
-@pytest.mark.parametrize("batch", [1, 2, 3, 4, 5, 8, 9, 16, 17, 35, 108])
+@pytest.mark.parametrize("batch", [1, 2, 3, 4, 5, 6, 8, 9, 16, 17, 35, 108])
 @pytest.mark.parametrize("shape", [(16, 32), (48, 96), (960, 576), (576, 1536)])
 def test_matches_the_exact_product(kernel, batch, shape):
     rows, cols = shape
@@ -155,11 +155,11 @@ def test_a_linear_reads_the_c_kernels_int4_copy_up_to_its_cut(kernel):
         layer.use_int4(Int4Weight(w.float(), torch.bfloat16, k))  # differs from the zero weight
         if k.tile_min_rows:  # tiles serve every input: the bf16 copy is freed
             assert layer.int4.max_rows == ALL_ROWS and layer.weight.numel() == 0
-            for rows in (1, 5, 300):
+            tiles = k.tile_min_rows  # from here the bf16 weight, below it the exact product
+            for rows in (1, tiles - 1, tiles, 300):
                 x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)).bfloat16()
-                assert_rounded_once(
-                    layer(x), x.double() @ loaded_bf16(w).T if rows >= 5 else x.double() @ w.T
-                )
+                want = x.double() @ (loaded_bf16(w) if rows >= tiles else w.double()).T
+                assert_rounded_once(layer(x), want)
             continue
         cut = C_INT4_VECTOR_MAX_ROWS
         assert layer.int4.max_rows == cut > INT4_MAX_ROWS and layer.weight.numel() == 32 * 64
@@ -263,7 +263,7 @@ def test_tile_registers_are_shared_with_torchs_amx_kernels(kernel):
 
 def test_it_says_whether_it_uses_tiles(kernel):
     has_amx = amx_expected()
-    # 5 rows: where the tile unit became faster in whole decode steps (quant_matmul.c)
-    assert kernel.tile_min_rows == (5 if has_amx else 0)
+    # 6 rows: where the tile unit is faster in whole decode steps (quant_matmul.c)
+    assert kernel.tile_min_rows == (6 if has_amx else 0)
     if X86:
         assert QuantMatmul.load(extra_flags=("-mno-amx-tile",)).tile_min_rows == 0
