@@ -106,7 +106,7 @@ def main() -> int:
     ap.add_argument("--calibration", choices=("serve", "inprocess"), default="serve",
                     help="fit to a loaded server's step trace (default) or time the engine "
                     "alone in this process")  # fmt: skip
-    ap.add_argument("--calibration-rates", default="1,3,5,7",
+    ap.add_argument("--calibration-rates", default="2,5,8,11",
                     help="req/s of the calibration load (serve): from light load to about capacity")  # fmt: skip
     ap.add_argument("--calibration-requests", type=int, default=32, help="per calibration rate")
     ap.add_argument("--calibrate-seconds", type=float, default=60.0, help="inprocess only")
