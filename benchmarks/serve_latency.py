@@ -47,10 +47,11 @@ def free_port() -> int:
 
 # The engine's start-up line, the one place benchmarks read what was loaded: "weights loaded in
 # 0.79 s: 0.312 GiB (torch.bfloat16, cpu, int4 weights for 120 projections)", the int4
-# part only when some projection has an int4 copy.
+# part only when some projection has an int4 copy (and ", kept from the last start" when the
+# store had them packed already).
 WEIGHTS_LINE = re.compile(
     r"weights loaded in [\d.]+ s: (?P<gib>[\d.]+) GiB \(torch\.(?P<dtype>\w+), (?P<device>[\w:]+)"
-    r"(?:, int4 (?:decode )?weights for (?P<int4>\d+) projections)?\)"
+    r"(?:, int4 (?:decode )?weights for (?P<int4>\d+) projections(?:, kept from the last start)?)?\)"
 )
 
 

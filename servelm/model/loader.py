@@ -17,6 +17,7 @@ from safetensors import safe_open
 from torch import nn
 
 from servelm.kernels.quant_matmul import QuantMatmul
+from servelm.model import packed_cache
 from servelm.model.layers.embedding import Embedding
 from servelm.model.layers.linear import (
     INT4_LOSSLESS_STEPS,
@@ -152,6 +153,53 @@ def _checkpoint_is_4bit(model_dir: str | Path, dtype: torch.dtype) -> bool:
     return False
 
 
+def _packed_weights(
+    model: nn.Module,
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    quantization: str,
+    kernel: QuantMatmul,
+) -> int:
+    """Give the projections their int4 copies and the head its exact Q8_0 copy (a Q4_1 GGUF's
+    head is Q8_0, llama.cpp's convention) for servelm's C kernel: the ones a store model kept
+    from its last start (`packed_cache`), else made from the loaded weights and kept. Returns
+    how many projections got one."""
+    path = packed_cache.cache_file(model_dir, dtype, quantization)
+    linears = {
+        name: m
+        for name, m in model.named_modules()
+        if isinstance(m, Linear) and can_int4(m.weight, dtype)
+    }
+    kept = packed_cache.load(path)
+    if kept is not None and _fits(kept, linears, model.head_weight):
+        for name, module in linears.items():
+            packed, error = kept[name]
+            module.use_int4(Int4Weight.from_packed(packed, module.out_features, error, kernel))
+        if packed_cache.HEAD in kept:
+            head = kept[packed_cache.HEAD][0]
+            model.head_q8 = Q8Weight.from_packed(head, model.head_weight.shape[0], kernel)
+        model.int4_kept = True
+        return len(linears)
+    made = quantize_linears_int4(model, dtype, quantization == "auto", kernel)
+    if made:
+        model.head_q8 = Q8Weight.exact(model.head_weight, kernel)
+        keep = {name: (m.int4.packed, m.int4.error) for name, m in linears.items()}
+        if model.head_q8 is not None:
+            keep[packed_cache.HEAD] = (model.head_q8.packed, 0.0)
+        packed_cache.save(path, keep)
+    return made
+
+
+def _fits(kept: packed_cache.Packed, linears: dict[str, Linear], head: torch.Tensor) -> bool:
+    """Whether kept weights are one per projection, each of its shape's blocks."""
+    if set(kept) - {packed_cache.HEAD} != set(linears):
+        return False
+    shapes = [(kept[name][0], m.out_features, m.in_features) for name, m in linears.items()]
+    if packed_cache.HEAD in kept:
+        shapes.append((kept[packed_cache.HEAD][0], *head.shape))
+    return all(p.shape[:2] == (rows // 16, cols // 32) for p, rows, cols in shapes)
+
+
 def _return_freed_memory() -> None:
     """Hand the memory freed while loading (float32 copies, unpacked weights) back to the OS.
     glibc keeps freed heap memory for reuse, and it would count as the engine's RSS for the
@@ -205,12 +253,12 @@ def build_model(
     model.rope = rope.to(device)
     load_weights(model, model_dir)
     model.int4_layers = 0
+    model.int4_kept = False  # whether the int4 copies were read from the store (packed_cache)
     if int4:
-        lossless_only = quantization == "auto"
-        model.int4_layers = quantize_linears_int4(model, dtype, lossless_only, quant_kernel)
-        if quant_kernel is not None and model.int4_layers:
-            # A Q4_1 GGUF's head is Q8_0 (llama.cpp's convention): served from those values.
-            model.head_q8 = Q8Weight.exact(model.head_weight, quant_kernel)
+        if quant_kernel is not None:
+            model.int4_layers = _packed_weights(model, model_dir, dtype, quantization, quant_kernel)
+        else:
+            model.int4_layers = quantize_linears_int4(model, dtype, quantization == "auto")
         model.to(dtype)
     # Counted before repacking, which frees the plain copies of packed weights.
     quantized = [m.int4 for m in model.modules() if isinstance(m, Linear) and m.int4 is not None]

@@ -60,7 +60,12 @@ def create_engine_core(
         runner.weight_bytes / 2**30,
         runner.dtype,
         runner.device,
-        f", int4 weights for {runner.int4_layers} projections" if runner.int4_layers else "",
+        (
+            f", int4 weights for {runner.int4_layers} projections"
+            + (", kept from the last start" if runner.model.int4_kept else "")
+        )
+        if runner.int4_layers
+        else "",
     )
     t0 = time.perf_counter()
     num_blocks = runner.profile_num_blocks(

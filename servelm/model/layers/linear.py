@@ -138,6 +138,18 @@ class Int4Weight:
         self.scales_zeros = scale_zero.transpose(0, 1).contiguous().to(dtype)
         self.nbytes = self.packed.nbytes + self.scales_zeros.nbytes
 
+    @classmethod
+    def from_packed(
+        cls, packed: torch.Tensor, rows: int, error: float, kernel: QuantMatmul
+    ) -> Int4Weight:
+        """One made before and kept (`model/packed_cache.py`): `packed` from the C kernel's
+        `pack_q4` of a [rows, K] weight, `error` as it was then."""
+        self = cls.__new__(cls)
+        self.rows, self.kernel, self.error = rows, kernel, error
+        self.max_rows = c_int4_max_rows(kernel)
+        self.packed, self.nbytes = packed, packed.nbytes
+        return self
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
             return self.kernel.q4(x, self.packed, self.rows)
@@ -155,6 +167,13 @@ class Q8Weight:
         self.rows, self.kernel = q.shape[0], kernel
         self.packed = kernel.pack_q8(q, scale)
         self.nbytes = self.packed.nbytes
+
+    @classmethod
+    def from_packed(cls, packed: torch.Tensor, rows: int, kernel: QuantMatmul) -> Q8Weight:
+        """One made before and kept (`model/packed_cache.py`)."""
+        self = cls.__new__(cls)
+        self.rows, self.kernel, self.packed, self.nbytes = rows, kernel, packed, packed.nbytes
+        return self
 
     @classmethod
     def exact(cls, weight: torch.Tensor, kernel: QuantMatmul) -> Q8Weight | None:
