@@ -2,10 +2,10 @@
 
 Works with any server exposing `servelm:` or `vllm:` metric names (same suffixes), plus the
 standard `process_cpu_seconds_total` of the process that serves /metrics (for servelm and
-vLLM, the API process: its CPU per streamed token is what `servelm simulate --calibrate-bench`
-prices). Counters are reported as deltas over the run, gauges as peaks polled during it, and the server's TTFT median
-is estimated from the delta of its histogram buckets (linear within a bucket, as Prometheus'
-histogram_quantile does). Names are matched on the sample, with `_total` stripped, because the
+vLLM, the API process, whose CPU per step and per streamed token `servelm simulate
+--calibrate-bench` prices). Counters are reported as deltas over the run, gauges as peaks
+polled during it, and the server's TTFT median is estimated from the delta of its histogram
+buckets (linear within a bucket, as Prometheus' histogram_quantile does). Names are matched on the sample, with `_total` stripped, because the
 parser strips it from counter family names but not from samples of untyped metrics.
 """
 

@@ -257,8 +257,7 @@ def fit_api_process(
     `generation_tokens` (deltas scraped from /metrics), neither below zero. Levels of one
     output length differ in tokens per step, which is what tells the two apart; without
     `engine_steps` (a server that does not count them), or without two levels that differ,
-    everything is per token. None when no
-    level has the process's CPU time.
+    everything is per token. None when no level has the process's CPU time.
 
     Each request's own handling (HTTP, tokenizing the prompt) is in that CPU time too, spread
     over what the fit sees: the simulator prices the API process by steps and tokens.

@@ -12,10 +12,11 @@ An arrival at exactly a step's start joins that step. Tokens a step samples are 
 the step's end, plus the profile's `frontend_latency_s` (the time outside the engine's steps
 that a server adds): TTFT = first token - arrival, e2e = last token - arrival. With the
 profile's `frontend_per_step_s` and `frontend_per_token_s`, each replica's API process is a
-queue of its own: a step's tokens are handed to it at the step's end and reach their clients
-once it has handled the step (one per-step cost, one per-token cost for each), after whatever
-it had still to do; its busy time is reported as the server's `process_cpu_seconds`. Routing sees each
-replica as of its latest step, whose results count as done even while it is still running.
+queue of its own: every step's message is handed to it at the step's end, and the step's
+tokens reach their clients once it has handled the message (one per-step cost, one per-token
+cost for each token), after whatever it had still to do; its busy time is reported as the
+server's `process_cpu_seconds`. Routing sees each replica as of its latest step, whose results
+count as done even while it is still running.
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ class Replica:
         if end >= self._next_sample_s:
             rep.timeline.append((end, stats.num_waiting, stats.num_running, stats.kv_cache_usage))
             self._next_sample_s = end + self._sample_every_s
-        if (self._per_step_s or self._per_token_s) and outputs:
+        if self._per_step_s or self._per_token_s:  # every step sends the API process a message
             work = self._per_step_s + self._per_token_s * len(outputs)
             rep.api_busy_s += work
             self.api_free_at = max(end, self.api_free_at) + work
