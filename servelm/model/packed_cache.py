@@ -79,6 +79,7 @@ def save(path: Path | None, packed: Packed) -> None:
         errors = {name: error for name, (_, error) in packed.items()}
         tensors = {name: tensor.contiguous() for name, (tensor, _) in packed.items()}
         save_file(tensors, str(partial), metadata={"errors": json.dumps(errors)})
+        partial.chmod(0o644)  # safetensors makes it owner-only; read like the model's own files
         partial.replace(path)  # readers see the whole file or none
     except OSError as exc:
         logger.warning("could not keep the packed weights in %s: %s", path.parent, exc)
