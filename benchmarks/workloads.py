@@ -12,8 +12,10 @@ has exactly the output length, as `servelm bench` sends them:
     W3       1,024 / 64, 32 requests, concurrency 8
     prefix   the shared-prefix preset (1,000-token system prompt + 100-token question), 32 out,
              16 requests at concurrency 1, with prefix caching and with --no-prefix-caching
-    startup  launch until a completion is answered, twice: the first start of this run and a
-             second start right after (the model files and Python modules now in the page cache)
+    startup  launch until a completion is answered, twice: a first start of the model, without
+             the packed weights a store model keeps from its last start (they are removed, as
+             right after `servelm fetch`; the start makes and keeps them), and a second start
+             right after (reading them; model files and Python modules in the page cache)
 
 Prints one table and writes every number (plus the full bench results) to `--out`.
 """
@@ -24,6 +26,7 @@ import argparse
 import asyncio
 import os
 import platform
+import shutil
 import signal
 import sys
 import tempfile
@@ -35,6 +38,7 @@ import httpx
 
 from benchmarks.serve_latency import MODEL_NAME, Server, print_columns, run_record, write_json
 from servelm.bench import BenchConfig, Load, WorkloadSpec, run_benchmark
+from servelm.store.paths import PACKED_FOLDER
 
 WORKLOADS: dict[str, dict[str, Any]] = {
     "W1": {"input_len": 256, "output_len": 128, "num_requests": 32, "concurrency": 1},
@@ -129,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: done ({server.weights()})", flush=True)
 
     if "startup" in wanted:
+        shutil.rmtree(Path(model_dir) / PACKED_FOLDER, ignore_errors=True)
         for label in ("first", "second"):
             log = work / f"startup-{label}.log"
             startup[label] = first_answer_s(model_dir, args.serve_arg, log, args.startup_timeout)

@@ -23,11 +23,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from servelm.store.paths import default_store_dir
+from servelm.store.paths import PACKED_FOLDER, default_store_dir
 
 logger = logging.getLogger(__name__)
 
-FOLDER = ".packed"
+FOLDER = PACKED_FOLDER
 _KERNEL_SOURCES = [
     Path(__file__).parent.parent / "kernels" / name
     for name in ("quant_matmul.c", "quant_matmul.py", "common.h")

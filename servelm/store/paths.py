@@ -12,6 +12,8 @@ from pathlib import Path
 import platformdirs
 
 STORE_ENV = "SERVELM_MODEL_STORE"
+# in a store model's folder: the C kernel's packed weights, kept between starts (model/packed_cache)
+PACKED_FOLDER = ".packed"
 
 
 def default_store_dir() -> Path:
