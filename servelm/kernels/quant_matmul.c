@@ -52,8 +52,9 @@
 #endif
 #define MAX_B 8                                   /* rows of x per pass over W */
 /* Rows of x from which the tile unit is faster, measured in whole decode steps of the default
- * model: 5 requests took 15.1-15.5 ms a step on the vector path against 16.0-17.2 on tiles, 6
- * took 15.8 on tiles against 17.1-18.7 on the vector path. */
+ * model (in-process, alternating builds): 5 requests took 14.6-15.5 ms a step on the vector
+ * path against 16.0-17.6 on tiles, 6 took 15.8-17.9 on tiles against 17.1-19.0 on the vector
+ * path. */
 #define AMX_MIN_B 6
 
 /* sum_j x[b, 32g + j] for every row b and group g, from bfloat16 x [B, K] */

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from servelm.kernels.quant_matmul import QuantMatmul
+from servelm.kernels.quant_matmul import GROUP, LANES, QuantMatmul
 from servelm.model import packed_cache
 from servelm.model.layers.embedding import Embedding
 from servelm.model.layers.linear import (
@@ -197,7 +197,7 @@ def _fits(kept: packed_cache.Packed, linears: dict[str, Linear], head: torch.Ten
     shapes = [(kept[name][0], m.out_features, m.in_features) for name, m in linears.items()]
     if packed_cache.HEAD in kept:
         shapes.append((kept[packed_cache.HEAD][0], *head.shape))
-    return all(p.shape[:2] == (rows // 16, cols // 32) for p, rows, cols in shapes)
+    return all(p.shape[:2] == (rows // LANES, cols // GROUP) for p, rows, cols in shapes)
 
 
 def _return_freed_memory() -> None:

@@ -155,8 +155,12 @@ class ServerMetrics:
             self.generation_tokens,
             self.preemptions,
             self.engine_steps,
+            self.ttft,
+            self.itl,
+            self.e2e,
+            self.queue_time,
         ):
-            m.labels(model_name)  # present (at zero) from the start
+            m.labels(model_name)  # present (at zero) from the start, histograms included
 
     def on_stats(self, stats: SchedulerStats) -> None:
         m = self.model_name

@@ -12,8 +12,9 @@ shape: the fastest of four steps; a prefill shape: the faster of two, since the 
 after a much larger one pays for the caches that one emptied: a 128-token prefill took 58-65
 ms right after a 1,024-token one and 44-50 ms after that), and each shape keeps its fastest
 time over the rounds, since on a shared machine noise only ever adds time, and spreading a
-shape's samples over rounds keeps one burst of noise from spoiling all of them. Shapes alternate between a fitting set and a held-out set (interleaved in time,
-so machine noise hits both alike); the profile is fitted on the first and judged on the second.
+shape's samples over rounds keeps one burst of noise from spoiling all of them. Shapes
+alternate between a fitting set and a held-out set (interleaved in time, so machine noise hits
+both alike); the profile is fitted on the first and judged on the second.
 Prompts are random ids so the prefix cache never shortens a prefill.
 """
 

@@ -183,7 +183,6 @@ class DecodeStack:
                 parts.append(
                     _Part(start, j - i, 0, table, lens + 8 * i, width, meta.decode_max_len)
                 )
-        kernel, cache = self.attn.prefill_kernel, self.attn.kv_caches[0][0]
         for c in meta.prefills:
             table = c.context_blocks
             parts.append(
@@ -191,7 +190,10 @@ class DecodeStack:
                     c.start, c.num_tokens, 1, table.data_ptr(), None, table.numel(), c.context_len
                 )
             )
-            scratch = kernel.scratch(c.context_len, cache.shape[1], cache.shape[2])  # grows only
+        if meta.prefills:  # one buffer serves every chunk in turn: the longest context's
+            cache = self.attn.kv_caches[0][0]
+            longest = max(c.context_len for c in meta.prefills)
+            scratch = self.attn.prefill_kernel.scratch(longest, cache.shape[1], cache.shape[2])
         return (_Part * len(parts))(*parts), scratch
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:

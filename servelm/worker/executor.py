@@ -54,18 +54,16 @@ def create_engine_core(
         seed=args.seed,
         num_threads=args.num_threads,
     )
+    int4 = f", int4 weights for {runner.int4_layers} projections" if runner.int4_layers else ""
+    if runner.model.int4_kept:
+        int4 += ", kept from the last start"
     logger.info(
         "weights loaded in %.2f s: %.3f GiB (%s, %s%s)",
         runner.load_seconds,
         runner.weight_bytes / 2**30,
         runner.dtype,
         runner.device,
-        (
-            f", int4 weights for {runner.int4_layers} projections"
-            + (", kept from the last start" if runner.model.int4_kept else "")
-        )
-        if runner.int4_layers
-        else "",
+        int4,
     )
     t0 = time.perf_counter()
     num_blocks = runner.profile_num_blocks(
