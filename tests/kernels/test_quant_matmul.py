@@ -234,6 +234,9 @@ def test_logits_head_reads_the_q8_copy_for_decode_sized_inputs(kernel):
             assert not got.any()
 
 
+@pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN has no bf16 path here"
+)
 def test_tile_registers_are_shared_with_torchs_amx_kernels(kernel):
     # torch's flash SDPA and oneDNN's bf16 matmul use the same AMX tile registers on this CPU
     # (where it has them): each configures its tiles, and the C q4 path releases its own, so

@@ -29,10 +29,13 @@ from servelm.kernels.quant_matmul import QuantMatmul
 
 
 def can_pack(weight: torch.Tensor) -> bool:
+    """Whether oneDNN takes this weight in its blocked bf16 layout: it needs AVX-512 (BW, VL,
+    DQ) or AVX-NE-CONVERT, and refuses on other CPUs (an AVX2-only AMD EPYC, say)."""
     return (
         weight.device.type == "cpu"
         and weight.dtype == torch.bfloat16
         and torch.backends.mkldnn.is_available()
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     )
 
 
