@@ -36,7 +36,8 @@
  * oneDNN's AMX kernels, which share the registers, expect.
  *
  * Products are exact, sums float32 (as torch's int4 kernel does it); y is rounded to bfloat16
- * once. Without AVX-512, plain C computes the same sums.
+ * once. With AVX2 alone (an AMD EPYC before Zen 4, say), 8-lane FMAs on quants unpacked to
+ * float32 compute the same sums, in another order; with neither, plain C does.
  */
 
 #include <stdlib.h>
@@ -121,27 +122,153 @@ INLINE void Q4_block(const uint16_t *x, const float *xs, const uint8_t *w, uint1
         store_bf16(y + b * N, acc[b]);
 }
 
-#else
+#define Q4_READS_X_F32 0 /* the block reads x as bfloat16; f holds only its group sums */
 
-INLINE void Q4_block(const uint16_t *x, const float *xs, const uint8_t *w, uint16_t *y,
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+
+#define Q4_READS_X_F32 1 /* f holds each row's group sums, then the row in float32 */
+#ifndef Q4_FUSED_MAX_B
+#define Q4_FUSED_MAX_B 2 /* rows of x up to which quants are not stored once unpacked */
+#endif
+
+/* The block's 16 rows' sums over one group, as 8-lane vectors after hadd: rows 0 1 4 5 2 3 6 7
+ * of each 8. QUAD_ORDER permutes 8 lanes of rows 0-7 into that order (and back: it is its own
+ * inverse). */
+#define QUAD_ORDER 0xD8
+
+/* 16 float32 lanes in rows 0 1 4 5 2 3 6 7 | 8 9 12 13 10 11 14 15 order -> 16 bfloat16 */
+INLINE void store_bf16_quads(uint16_t *dst, __m256 a, __m256 b)
+{
+    float f[16];
+    _mm256_storeu_ps(f, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(a), QUAD_ORDER)));
+    _mm256_storeu_ps(f + 8, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(b), QUAD_ORDER)));
+    for (int i = 0; i < 16; i++)
+        dst[i] = float_to_bf16(f[i]);
+}
+
+/* x[0], x[1] in every pair of lanes */
+INLINE __m256 pair(const float *x)
+{
+    return _mm256_castpd_ps(_mm256_broadcast_sd((const double *)x));
+}
+
+/* 8 float16 at p -> float32 lanes in quad order */
+INLINE __m256 load_half_quads(const uint16_t *p)
+{
+    const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(v), QUAD_ORDER));
+}
+
+/* One block of 16 rows against B rows of x, with AVX2's 8-lane FMAs. Each group's quants are
+ * unpacked once into float32 vectors (vector m of a chunk: bytes 8m..8m+7, so lane 2i + e holds
+ * row 4m + i's quant for x[2c + e], low nibble, or x[2c + 16 + e], high nibble), and each row of
+ * x then runs through them with its pairs (x[2c], x[2c + 1]) broadcast to every lane pair; at the
+ * group's end hadd sums each pair into its row. Eight chains of FMAs per row of x. */
+INLINE void Q4_block(const uint16_t *x, const float *f, const uint8_t *w, uint16_t *y,
                      int64_t N, int64_t K, const int B)
 {
+    (void)x;
+    const int64_t G = K / GROUP;
+    const __m256i nibble = _mm256_set1_epi32(15);
+    __m256 acc[MAX_B][2];
+    for (int b = 0; b < B; b++)
+        acc[b][0] = acc[b][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++, w += Q4_BYTES) {
+        /* sums over the group: lanes 2i + e of d[b][m] (low nibbles) and d[b][4 + m] (high) */
+        __m256 d[Q4_FUSED_MAX_B][8], q[8][8];
+        if (B <= Q4_FUSED_MAX_B) { /* few rows of x: quants go into FMAs as they are unpacked */
+            for (int b = 0; b < B; b++)
+                for (int k = 0; k < 8; k++)
+                    d[b][k] = _mm256_setzero_ps();
+#pragma GCC unroll 8
+            for (int c = 0; c < 8; c++) {
+                if (c % 2 == 0)
+                    _mm_prefetch((const char *)(w + PREFETCH * Q4_BYTES + 32 * c), _MM_HINT_T0);
+                for (int m = 0; m < 4; m++) {
+                    const __m256i v = _mm256_cvtepu8_epi32(
+                        _mm_loadl_epi64((const __m128i *)(w + 32 * c + 8 * m)));
+                    const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, nibble));
+                    const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+                    for (int b = 0; b < B; b++) {
+                        const float *xg = f + b * (G + K) + G + g * GROUP;
+                        d[b][m] = _mm256_fmadd_ps(lo, pair(xg + 2 * c), d[b][m]);
+                        d[b][4 + m] = _mm256_fmadd_ps(hi, pair(xg + 16 + 2 * c), d[b][4 + m]);
+                    }
+                }
+            }
+        } else { /* unpacked once into float32 (q[chunk][low nibbles of rows 0-3, 4-7, 8-11,
+                  * 12-15; high the same]), then each row of x through them */
+#pragma GCC unroll 8
+            for (int c = 0; c < 8; c++) {
+                if (c % 2 == 0)
+                    _mm_prefetch((const char *)(w + PREFETCH * Q4_BYTES + 32 * c), _MM_HINT_T0);
+                for (int m = 0; m < 4; m++) {
+                    const __m256i v = _mm256_cvtepu8_epi32(
+                        _mm_loadl_epi64((const __m128i *)(w + 32 * c + 8 * m)));
+                    q[c][m] = _mm256_cvtepi32_ps(_mm256_and_si256(v, nibble));
+                    q[c][4 + m] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+                }
+            }
+        }
+        _mm_prefetch((const char *)(w + PREFETCH * Q4_BYTES + LANES * GROUP / 2), _MM_HINT_T0);
+        const uint16_t *sl = (const uint16_t *)(w + LANES * GROUP / 2);
+        const __m256 scale[2] = {load_half_quads(sl), load_half_quads(sl + 8)};
+        const __m256 low[2] = {load_half_quads(sl + LANES), load_half_quads(sl + LANES + 8)};
+        for (int b = 0; b < B; b++) {
+            __m256 e[8];
+            if (B <= Q4_FUSED_MAX_B)
+                for (int k = 0; k < 8; k++)
+                    e[k] = d[b][k];
+            else {
+                const float *xg = f + b * (G + K) + G + g * GROUP;
+                for (int k = 0; k < 8; k++)
+                    e[k] = _mm256_setzero_ps();
+#pragma GCC unroll 8
+                for (int c = 0; c < 8; c++)
+                    for (int m = 0; m < 4; m++) {
+                        e[m] = _mm256_fmadd_ps(q[c][m], pair(xg + 2 * c), e[m]);
+                        e[4 + m] = _mm256_fmadd_ps(q[c][4 + m], pair(xg + 16 + 2 * c), e[4 + m]);
+                    }
+            }
+            const __m256 sums[2] = {
+                _mm256_hadd_ps(_mm256_add_ps(e[0], e[4]), _mm256_add_ps(e[1], e[5])),
+                _mm256_hadd_ps(_mm256_add_ps(e[2], e[6]), _mm256_add_ps(e[3], e[7]))};
+            const __m256 xs = _mm256_broadcast_ss(f + b * (G + K) + g);
+            for (int h = 0; h < 2; h++) {
+                acc[b][h] = _mm256_fmadd_ps(scale[h], sums[h], acc[b][h]);
+                acc[b][h] = _mm256_fmadd_ps(low[h], xs, acc[b][h]);
+            }
+        }
+    }
+    for (int b = 0; b < B; b++)
+        store_bf16_quads(y + b * N, acc[b][0], acc[b][1]);
+}
+
+#else
+
+#define Q4_READS_X_F32 1
+
+INLINE void Q4_block(const uint16_t *x, const float *f, const uint8_t *w, uint16_t *y,
+                     int64_t N, int64_t K, const int B)
+{
+    (void)x;
     const int64_t G = K / GROUP;
     float acc[MAX_B][LANES] = {{0}};
     for (int64_t g = 0; g < G; g++, w += Q4_BYTES) {
         const uint16_t *sl = (const uint16_t *)(w + LANES * GROUP / 2);
         for (int b = 0; b < B; b++) {
+            const float *row = f + b * (G + K), *xg = row + G + g * GROUP;
             float dot[LANES] = {0};
             for (int c = 0; c < 8; c++)
                 for (int i = 0; i < LANES; i++)
                     for (int e = 0; e < 2; e++) {
                         const uint8_t byte = w[32 * c + 2 * i + e];
-                        const uint16_t *xg = x + b * K + g * GROUP + 2 * c + e;
-                        dot[i] += (float)(byte & 15) * bf16_to_float(xg[0]) +
-                                  (float)(byte >> 4) * bf16_to_float(xg[16]);
+                        dot[i] += (float)(byte & 15) * xg[2 * c + e] +
+                                  (float)(byte >> 4) * xg[2 * c + 16 + e];
                     }
             for (int i = 0; i < LANES; i++)
-                acc[b][i] += half_to_float(sl[i]) * dot[i] + half_to_float(sl[LANES + i]) * xs[b * G + g];
+                acc[b][i] += half_to_float(sl[i]) * dot[i] + half_to_float(sl[LANES + i]) * row[g];
         }
     }
     for (int b = 0; b < B; b++)
@@ -193,6 +320,60 @@ INLINE void Q8_block(const uint16_t *x, const float *xf, const uint8_t *w, uint1
         store_bf16(y + b * N, acc[b]);
 }
 
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+
+/* One block of 16 rows against B rows of x (in float32, xf [B, K]), with AVX2's 8-lane FMAs:
+ * each group's quants unpacked once into float32 (rows 0-7 and 8-15 of input j), then every row
+ * of x through them, in four chains of FMAs per half. */
+INLINE void Q8_block(const uint16_t *x, const float *xf, const uint8_t *w, uint16_t *y,
+                     int64_t N, int64_t K, const int B)
+{
+    (void)x;
+    const int64_t G = K / GROUP;
+    __m256 acc[MAX_B][2];
+    for (int b = 0; b < B; b++)
+        acc[b][0] = acc[b][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++, w += Q8_BYTES) {
+        __m256 q[GROUP][2];
+#pragma GCC unroll 32
+        for (int j = 0; j < GROUP; j++) {
+            if (j % 4 == 0)
+                _mm_prefetch((const char *)(w + PREFETCH * Q8_BYTES + 16 * j), _MM_HINT_T0);
+            const __m128i bytes = _mm_loadu_si128((const __m128i *)(w + 16 * j));
+            q[j][0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+            q[j][1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)));
+        }
+        const uint16_t *sl = (const uint16_t *)(w + LANES * GROUP);
+        const __m256 scale[2] = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sl)),
+                                 _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sl + 8)))};
+        for (int b = 0; b < B; b++) {
+            const float *xg = xf + b * K + g * GROUP;
+            __m256 s[2][4];
+            for (int k = 0; k < 4; k++)
+                s[0][k] = s[1][k] = _mm256_setzero_ps();
+#pragma GCC unroll 32
+            for (int j = 0; j < GROUP; j++) {
+                const __m256 xj = _mm256_broadcast_ss(xg + j);
+                s[0][j % 4] = _mm256_fmadd_ps(q[j][0], xj, s[0][j % 4]);
+                s[1][j % 4] = _mm256_fmadd_ps(q[j][1], xj, s[1][j % 4]);
+            }
+            for (int h = 0; h < 2; h++) {
+                const __m256 sum = _mm256_add_ps(_mm256_add_ps(s[h][0], s[h][1]),
+                                                 _mm256_add_ps(s[h][2], s[h][3]));
+                acc[b][h] = _mm256_fmadd_ps(scale[h], sum, acc[b][h]);
+            }
+        }
+    }
+    for (int b = 0; b < B; b++) {
+        float out[LANES];
+        _mm256_storeu_ps(out, acc[b][0]);
+        _mm256_storeu_ps(out + 8, acc[b][1]);
+        for (int i = 0; i < LANES; i++)
+            y[b * N + i] = float_to_bf16(out[i]);
+    }
+}
+
 #else
 
 INLINE void Q8_block(const uint16_t *x, const float *xf, const uint8_t *w, uint16_t *y,
@@ -220,7 +401,8 @@ INLINE void Q8_block(const uint16_t *x, const float *xf, const uint8_t *w, uint1
 #endif
 
 /* Every block of W against B <= MAX_B rows of x, the blocks split between the threads. `f` is
- * what the block function reads besides x: group sums (q4) or x in float32 (q8). */
+ * what the block function reads besides x: group sums (q4; and x in float32 after them, where
+ * Q4_READS_X_F32) or x in float32 (q8). */
 #define PASS(KIND, B_)                                                                         \
     static void KIND##_pass_##B_(const uint16_t *x, const float *f, const uint8_t *w,          \
                                  uint16_t *y, int64_t N, int64_t K)                            \
@@ -430,10 +612,15 @@ void q4_matmul_bf16(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t B,
         return;
     }
 #endif
-    float *xs = malloc((size_t)(B * (K / GROUP)) * sizeof(float));
-    group_sums(x, xs, B, K);
-    run(Q4_passes, x, xs, K / GROUP, w, y, B, N, K);
-    free(xs);
+    const int64_t G = K / GROUP, per_row = G + (Q4_READS_X_F32 ? K : 0);
+    float *f = malloc((size_t)(B * per_row) * sizeof(float));
+    for (int64_t b = 0; b < B; b++) {
+        group_sums(x + b * K, f + b * per_row, 1, K);
+        for (int64_t k = 0; k < (Q4_READS_X_F32 ? K : 0); k++)
+            f[b * per_row + G + k] = bf16_to_float(x[b * K + k]);
+    }
+    run(Q4_passes, x, f, per_row, w, y, B, N, K);
+    free(f);
 }
 
 void q8_matmul_bf16(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t B, int64_t N,

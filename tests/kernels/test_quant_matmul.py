@@ -23,6 +23,7 @@ from servelm.model.layers.linear import (
     Linear,
     LogitsHead,
     Q8Weight,
+    cpu_has_bf16_matmul,
 )
 from tests.kernels.amx import amx_expected
 
@@ -161,6 +162,12 @@ def test_a_linear_reads_the_c_kernels_int4_copy_up_to_its_cut(kernel):
                 want = x.double() @ (loaded_bf16(w) if rows >= tiles else w.double()).T
                 assert_rounded_once(layer(x), want)
             continue
+        if not cpu_has_bf16_matmul():  # torch's bf16 matmul is slow here: C serves every input
+            assert layer.int4.max_rows == ALL_ROWS and layer.weight.numel() == 0
+            for rows in (1, 17, 300):
+                x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)).bfloat16()
+                assert_rounded_once(layer(x), x.double() @ w.double().T)
+            continue
         cut = C_INT4_VECTOR_MAX_ROWS
         assert layer.int4.max_rows == cut > INT4_MAX_ROWS and layer.weight.numel() == 32 * 64
         for rows in (1, cut, cut + 1):
@@ -225,18 +232,19 @@ def test_logits_head_reads_the_q8_copy_for_decode_sized_inputs(kernel):
     q, scale, w = q8_weight(64, 96, seed=9)
     # a head whose bf16 weight differs from its Q8 copy shows which one a call read
     head = LogitsHead(torch.zeros(64, 96, dtype=torch.bfloat16), Q8Weight(q, scale, kernel))
-    for rows in (1, HEAD_Q8_MAX_ROWS, HEAD_Q8_MAX_ROWS + 1):
+    # where oneDNN has no bf16 matmul, the Q8 copy serves every input
+    cut = HEAD_Q8_MAX_ROWS if cpu_has_bf16_matmul() else ALL_ROWS
+    assert head.q8_max_rows == cut
+    for rows in (1, HEAD_Q8_MAX_ROWS, HEAD_Q8_MAX_ROWS + 1, 40):
         x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).bfloat16()
         got = head(x)
-        if rows <= HEAD_Q8_MAX_ROWS:
+        if rows <= cut:
             assert_rounded_once(got, x.double() @ w.T)
         else:
             assert not got.any()
 
 
-@pytest.mark.skipif(
-    not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN has no bf16 path here"
-)
+@pytest.mark.skipif(not cpu_has_bf16_matmul(), reason="oneDNN has no bf16 matmul here")
 def test_tile_registers_are_shared_with_torchs_amx_kernels(kernel):
     # torch's flash SDPA and oneDNN's bf16 matmul use the same AMX tile registers on this CPU
     # (where it has them): each configures its tiles, and the C q4 path releases its own, so

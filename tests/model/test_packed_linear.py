@@ -7,12 +7,9 @@ import torch.nn.functional as F
 
 from servelm import LLM, SamplingParams
 from servelm.model.layers import linear as linear_mod
-from servelm.model.layers.linear import Linear, LogitsHead
+from servelm.model.layers.linear import Linear, LogitsHead, cpu_has_bf16_matmul
 
-# oneDNN's bf16 layout needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT
-BF16_PACKING = (
-    torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-)
+BF16_PACKING = cpu_has_bf16_matmul()  # AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -28,15 +28,16 @@ from torch import nn
 from servelm.kernels.quant_matmul import QuantMatmul
 
 
+def cpu_has_bf16_matmul() -> bool:
+    """Whether oneDNN multiplies bfloat16 on this CPU: it needs AVX-512 (BW, VL, DQ) or
+    AVX-NE-CONVERT. Elsewhere (an AVX2-only AMD EPYC, say) torch's bf16 matmul is a slow
+    fallback: 15-18 GFLOPS on 2 cores of an EPYC, against 100-130 in float32."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def can_pack(weight: torch.Tensor) -> bool:
-    """Whether oneDNN takes this weight in its blocked bf16 layout: it needs AVX-512 (BW, VL,
-    DQ) or AVX-NE-CONVERT, and refuses on other CPUs (an AVX2-only AMD EPYC, say)."""
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    )
+    """Whether oneDNN takes this weight in its blocked bf16 layout."""
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and cpu_has_bf16_matmul()
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
@@ -65,15 +66,22 @@ C_INT4_VECTOR_MAX_ROWS = 16
 # with oneDNN's bf16 matmuls (the decode steps keep the 4-bit weights in cache; the bf16 copy is
 # not), and 2,048 about the same. Such a layer keeps no bf16 copy at all.
 ALL_ROWS = sys.maxsize
+# Without oneDNN's bf16 matmul (an AVX2-only CPU), the C kernel's AVX2 path serves every input
+# too: one layer's four matmuls, weights from memory, took 0.24 ms at 1 row, 1.4-1.5 ms at 16
+# and 2.9 ms at 32 on 2 cores of an AMD EPYC, against 2.0, 3.6 and 4.7 ms for torch's float32
+# matmul on a float32 copy (and bf16's fallback is slower still).
 
 
 def c_int4_max_rows(kernel: QuantMatmul) -> int:
     """Rows up to which servelm's C int4 matmul beats bf16 on this CPU (see above)."""
-    return ALL_ROWS if kernel.tile_min_rows else C_INT4_VECTOR_MAX_ROWS
+    if kernel.tile_min_rows or not cpu_has_bf16_matmul():
+        return ALL_ROWS
+    return C_INT4_VECTOR_MAX_ROWS
 
 
 # The logits head reads its Q8_0 copy (servelm's C kernel) up to this many rows. Alone, with
-# the weights in cache: 0.69 vs 1.56 ms (oneDNN bf16) at 1 row, 1.89 vs 1.69 ms at 8.
+# the weights in cache: 0.69 vs 1.56 ms (oneDNN bf16) at 1 row, 1.89 vs 1.69 ms at 8. Where
+# oneDNN has no bf16 matmul, at every row.
 HEAD_Q8_MAX_ROWS = 8
 # A weight whose values all lie on their group's 4-bit grid (up to float rounding) loses
 # nothing in int4; the distance is measured in grid steps (RTN quantization's worst is 0.5).
@@ -239,9 +247,10 @@ class LogitsHead:
         self.packed = _pack(weight) if can_pack(weight) else None
         self.weight = weight if self.packed is None else None
         self.q8 = q8
+        self.q8_max_rows = HEAD_Q8_MAX_ROWS if cpu_has_bf16_matmul() else ALL_ROWS
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.q8 is not None and hidden.shape[0] <= HEAD_Q8_MAX_ROWS:
+        if self.q8 is not None and hidden.shape[0] <= self.q8_max_rows:
             return self.q8(hidden)
         if self.packed is not None:
             return packed_linear(hidden, self.packed)
