@@ -1,8 +1,10 @@
-"""Time the C Q4_1 matmuls of one layer of the default model's shape, side by side: the build
-this CPU takes (AMX tiles from 6 rows where the CPU has them) against the same source built
-without AMX (`-mno-amx-tile`: the AVX-512 BF16 vector path at every batch); then, at prompt
-sizes, the default build against oneDNN's bf16 matmul (torch's packed linear, what the engine
-runs where it keeps a bf16 weight) on the same weights in bfloat16.
+"""Time the C Q4_1 matmuls of one layer of the default model's shape, side by side: the kernel
+as this CPU runs it (AMX tiles from 6 rows where the CPU has them; without tiles, float32
+dequantization and torch's matmul from `SGEMM_MIN_ROWS` rows) against the same source built
+without AMX (`-mno-amx-tile`) and kept on its vector path (AVX-512 BF16, or AVX2) at every
+batch; then, at prompt sizes, the kernel against the matmul the engine would run on a plain
+weight: oneDNN's bf16 matmul (torch's packed linear) where this CPU has it, else torch's
+float32 matmul on a float32 copy.
 
     .venv/bin/python benchmarks/quant_matmul.py                 # batches 1,4,5,8,12,16,24,32
     .venv/bin/python benchmarks/quant_matmul.py --batch 16 --copies 60 --prompt-rows 108
@@ -20,9 +22,10 @@ import argparse
 import time
 
 import torch
+import torch.nn.functional as F
 
 from servelm.kernels.quant_matmul import QuantMatmul
-from servelm.model.layers.linear import _pack, packed_linear
+from servelm.model.layers.linear import _pack, cpu_has_bf16_matmul, packed_linear
 
 # (output rows, input columns) of a SmolLM2-135M layer's projections: q/k/v fused, o,
 # gate/up fused, down
@@ -38,11 +41,15 @@ def time_layer(kernel: QuantMatmul, x_by_cols, weights, copies: int) -> float:
     return (time.perf_counter() - t0) / copies
 
 
-def time_layer_bf16(x_by_cols, weights, copies: int) -> float:
+def time_layer_plain(x_by_cols, weights, copies: int) -> float:
+    """The same with the plain weights: oneDNN-packed bf16, or float32 (x converted)."""
     t0 = time.perf_counter()
     for i in range(copies):
-        for (_, cols), packed in zip(LAYER, weights, strict=True):
-            packed_linear(x_by_cols[cols], packed[i])
+        for (_, cols), w in zip(LAYER, weights, strict=True):
+            if cpu_has_bf16_matmul():
+                packed_linear(x_by_cols[cols], w[i])
+            else:
+                F.linear(x_by_cols[cols].float(), w[i]).bfloat16()
     return (time.perf_counter() - t0) / copies
 
 
@@ -62,11 +69,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--prompt-rows", default="33,108,256,1108", help="'' to skip that table")
     args = ap.parse_args()
-    builds = {"default": QuantMatmul.load(), "-mno-amx-tile": QuantMatmul.load(("-mno-amx-tile",))}
+    builds = {"default": QuantMatmul.load(), "vector": QuantMatmul.load(("-mno-amx-tile",))}
     if any(k is None for k in builds.values()):
         raise SystemExit("quant_matmul.c does not build here (no C compiler, or not x86)")
+    builds["vector"].sgemm_min_rows = 0  # the C vector path at every batch
     g = torch.Generator().manual_seed(0)
-    weights, bf16 = [], []
+    weights, plain = [], []
     for rows, cols in LAYER:
         q = torch.randint(0, 16, (rows, cols), generator=g)
         scale = (torch.rand(rows, cols // 32, generator=g) * 0.01).half().float()
@@ -74,10 +82,13 @@ def main() -> None:
         weights.append([QuantMatmul.pack_q4(q, scale, low) for _ in range(args.copies)])
         if args.prompt_rows:
             w = q.float().view(rows, -1, 32) * scale[..., None] + low[..., None]
-            bf16.append([_pack(w.view(rows, cols).bfloat16()) for _ in range(args.copies)])
+            w = w.view(rows, cols)
+            pack = _pack if cpu_has_bf16_matmul() else torch.clone
+            plain.append([pack(w.bfloat16() if cpu_has_bf16_matmul() else w)
+                          for _ in range(args.copies)])  # fmt: skip
     print(f"one layer's four Q4_1 matmuls, {args.copies} copies of each weight, best of "
           f"{args.rounds} rounds, {torch.get_num_threads()} threads")  # fmt: skip
-    print(f"{'rows':>5} {'default build':>14} {'-mno-amx-tile':>14} {'ratio':>6}")
+    print(f"{'rows':>5} {'as run here':>14} {'vector path':>14} {'ratio':>6}")
     for batch in (int(b) for b in args.batch.split(",")):
         x_by_cols = {
             c: torch.randn(batch, c, generator=g).bfloat16() for c in {c for _, c in LAYER}
@@ -87,21 +98,22 @@ def main() -> None:
             for name, kernel in builds.items()
         }
         best = side_by_side(fns, args.rounds)
-        tiles, vector = best["default"] * 1e6, best["-mno-amx-tile"] * 1e6
+        tiles, vector = best["default"] * 1e6, best["vector"] * 1e6
         print(f"{batch:5d} {tiles:11.0f} us {vector:11.0f} us {vector / tiles:5.2f}x")
     if not args.prompt_rows:
         return
-    print(f"\n{'rows':>5} {'default build':>14} {'oneDNN bf16':>14} {'ratio':>6}")
+    reference = "oneDNN bf16" if cpu_has_bf16_matmul() else "torch float32"
+    print(f"\n{'rows':>5} {'as run here':>14} {reference:>14} {'ratio':>6}")
     for batch in (int(b) for b in args.prompt_rows.split(",")):
         x_by_cols = {
             c: torch.randn(batch, c, generator=g).bfloat16() for c in {c for _, c in LAYER}
         }
         fns = {
             "q4": lambda x=x_by_cols: time_layer(builds["default"], x, weights, args.copies),
-            "bf16": lambda x=x_by_cols: time_layer_bf16(x, bf16, args.copies),
+            "plain": lambda x=x_by_cols: time_layer_plain(x, plain, args.copies),
         }
         best = side_by_side(fns, args.rounds)
-        q4, onednn = best["q4"] * 1e6, best["bf16"] * 1e6
+        q4, onednn = best["q4"] * 1e6, best["plain"] * 1e6
         print(f"{batch:5d} {q4:11.0f} us {onednn:11.0f} us {onednn / q4:5.2f}x")
 
 

@@ -590,6 +590,29 @@ static void q4_gemm_amx(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_
 }
 #endif
 
+/* w (the q4 layout) -> W [N, K] float32, w = q * scale + low: q * scale is exact in float32 and
+ * + low rounds once, as the file's dequantization does. For a float32 GEMM elsewhere. */
+void q4_dequantize_f32(const uint8_t *w, float *out, int64_t N, int64_t K)
+{
+    const int64_t G = K / GROUP;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N / LANES; n++)
+        for (int64_t g = 0; g < G; g++) {
+            const uint8_t *block = w + (n * G + g) * Q4_BYTES;
+            const uint16_t *sl = (const uint16_t *)(block + LANES * GROUP / 2);
+            for (int i = 0; i < LANES; i++) {
+                const float scale = half_to_float(sl[i]), low = half_to_float(sl[LANES + i]);
+                float *row = out + (n * LANES + i) * K + g * GROUP;
+                for (int c = 0; c < 8; c++)
+                    for (int e = 0; e < 2; e++) {
+                        const uint8_t byte = block[32 * c + 2 * i + e];
+                        row[2 * c + e] = (float)(byte & 15) * scale + low;
+                        row[2 * c + 16 + e] = (float)(byte >> 4) * scale + low;
+                    }
+            }
+        }
+}
+
 /* The rows of x from which q4 runs on AMX tiles here; 0 where it never does (no AMX in this
  * build, or Linux refused the tile registers). */
 int64_t q4_tile_min_rows(void)

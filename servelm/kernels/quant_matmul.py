@@ -26,6 +26,12 @@ LANES = 16  # rows per block
 Q4_BYTES = LANES * GROUP // 2 + LANES * 2 * 2  # per block and group: quants, scales, lows
 Q8_BYTES = LANES * GROUP + LANES * 2  # quants, scales
 
+# Rows of x from which q4 dequantizes the weight into float32 and multiplies with torch's float32
+# matmul, on a CPU without AMX tiles. One layer's four matmuls against the C vector path on 2
+# cores of an AVX2-only AMD EPYC (`benchmarks/quant_matmul.py`): 0.86x at 128 rows, 1.14x at
+# 256, 1.38x at 512, 1.22x at 1,108.
+SGEMM_MIN_ROWS = 192
+
 _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -49,6 +55,11 @@ class QuantMatmul:
         lib.q4_tile_min_rows.restype = ctypes.c_int64
         # q4 runs on AMX tiles from this many rows of x (0: never, on this CPU or build)
         self.tile_min_rows = lib.q4_tile_min_rows()
+        self._dequantize = lib.q4_dequantize_f32
+        self._dequantize.argtypes, self._dequantize.restype = [_ptr, _ptr, _i64, _i64], None
+        # without tiles, q4 of this many rows or more goes to torch's float32 matmul
+        self.sgemm_min_rows = 0 if self.tile_min_rows else SGEMM_MIN_ROWS
+        self._scratch = torch.empty(0)
 
     @classmethod
     def load(cls, extra_flags: tuple[str, ...] = ()) -> QuantMatmul | None:
@@ -83,14 +94,28 @@ class QuantMatmul:
 
     def q4(self, x: torch.Tensor, packed: torch.Tensor, rows: int) -> torch.Tensor:
         """x [B, K] bfloat16 -> [B, rows] bfloat16, for `packed` from `pack_q4` of [rows, K]."""
+        if self.sgemm_min_rows and x.shape[0] >= self.sgemm_min_rows:
+            self._check("q4", Q4_BYTES, x, packed, rows)
+            return torch.nn.functional.linear(
+                x.float(), self.dequantize_q4(packed, rows)
+            ).bfloat16()
         return self._call("q4", Q4_BYTES, x, packed, rows)
+
+    def dequantize_q4(self, packed: torch.Tensor, rows: int) -> torch.Tensor:
+        """The float32 weight [rows, K] that `packed` holds, in a buffer that the next call
+        overwrites."""
+        K = packed.shape[1] * GROUP
+        if self._scratch.numel() < rows * K:
+            self._scratch = torch.empty(rows * K)
+        out = self._scratch[: rows * K].view(rows, K)
+        self._dequantize(packed.data_ptr(), out.data_ptr(), rows, K)
+        return out
 
     def q8(self, x: torch.Tensor, packed: torch.Tensor, rows: int) -> torch.Tensor:
         """x [B, K] bfloat16 -> [B, rows] bfloat16, for `packed` from `pack_q8` of [rows, K]."""
         return self._call("q8", Q8_BYTES, x, packed, rows)
 
-    def _call(self, kind, block_bytes, x, packed, rows) -> torch.Tensor:
-        x = x.contiguous()
+    def _check(self, kind, block_bytes, x, packed, rows) -> None:
         B, K = x.shape
         if (
             x.dtype != torch.bfloat16
@@ -102,6 +127,11 @@ class QuantMatmul:
                 f"{kind}_matmul: x {tuple(x.shape)} {x.dtype} does not fit a packed weight of "
                 f"{rows} rows, shape {tuple(packed.shape)}"
             )
+
+    def _call(self, kind, block_bytes, x, packed, rows) -> torch.Tensor:
+        x = x.contiguous()
+        self._check(kind, block_bytes, x, packed, rows)
+        B, K = x.shape
         y = torch.empty(B, rows, dtype=torch.bfloat16)
         self.fns[kind](x.data_ptr(), packed.data_ptr(), y.data_ptr(), B, rows, K)
         return y

@@ -102,6 +102,19 @@ def test_prompt_sized_inputs_in_more_than_one_pass(kernel, batch, shape):
     assert_rounded_once(got, x.double() @ (loaded_bf16(w) if on_tiles(kernel, batch) else w).T)
 
 
+def test_without_tiles_many_rows_go_to_a_float32_matmul(kernel):
+    if kernel.tile_min_rows:  # the tiles serve them
+        assert kernel.sgemm_min_rows == 0
+        return
+    q, scale, low, w = q4_weight(576, 1536, seed=3)
+    packed = QuantMatmul.pack_q4(q, scale, low)
+    # q * scale is exact in float32 and + low rounds once: the float64 weight rounded once
+    assert torch.equal(kernel.dequantize_q4(packed, 576), w.float())
+    for rows in (kernel.sgemm_min_rows - 1, kernel.sgemm_min_rows):  # C, then torch
+        x = torch.randn(rows, 1536, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        assert_rounded_once(kernel.q4(x, packed, 576), x.double() @ w.T)
+
+
 def test_tiles_multiply_by_exactly_the_loaded_bf16_weight(kernel):
     if not kernel.tile_min_rows:
         pytest.skip("no AMX tiles on this CPU")
