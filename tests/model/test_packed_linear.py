@@ -7,7 +7,13 @@ import torch.nn.functional as F
 
 from servelm import LLM, SamplingParams
 from servelm.model.layers import linear as linear_mod
-from servelm.model.layers.linear import Linear, LogitsHead, cpu_has_bf16_matmul
+from servelm.model.layers.linear import (
+    BF16_VIA_F32_MIN_ROWS,
+    Linear,
+    LogitsHead,
+    cpu_has_bf16_matmul,
+    plain_linear,
+)
 
 BF16_PACKING = cpu_has_bf16_matmul()  # AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT
 
@@ -29,7 +35,9 @@ def test_packed_linear_is_bitwise_f_linear(rows, bias):
     else:
         assert layer.packed is None and torch.equal(layer.weight, weight)
     with torch.inference_mode():
-        assert torch.equal(layer(x), F.linear(x, weight, b))
+        # unpacked, it is `plain_linear` (float32 from 8 rows: the test below)
+        want = F.linear(x, weight, b) if BF16_PACKING else plain_linear(x, weight, b)
+        assert torch.equal(layer(x), want)
         assert torch.equal(LogitsHead(weight)(x), F.linear(x, weight))
 
 
@@ -58,3 +66,19 @@ def test_bf16_engine_gives_the_same_tokens_packed_or_not(tiny_model_dir, monkeyp
     assert num_packed > 0 and num_plain == 0
     assert packed == plain
     assert all(len(t) == 12 for t in packed)
+
+
+@pytest.mark.parametrize("rows", [1, BF16_VIA_F32_MIN_ROWS - 1, BF16_VIA_F32_MIN_ROWS, 40])
+def test_unpacked_bf16_goes_through_float32_where_the_cpu_has_no_bf16_matmul(rows):
+    g = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(48, 64, generator=g).bfloat16(), torch.randn(48, generator=g).bfloat16()
+    x = torch.randn(rows, 64, generator=g).bfloat16()
+    via_f32 = not BF16_PACKING and rows >= BF16_VIA_F32_MIN_ROWS
+    want = F.linear(x.float(), w.float(), b.float()).bfloat16() if via_f32 else F.linear(x, w, b)
+    assert torch.equal(plain_linear(x, w, b), want)
+    # an unpacked Linear takes that path too
+    layer = Linear(64, 48).to(torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(w), layer.bias.copy_(b)
+    with torch.inference_mode():
+        assert torch.equal(layer(x), want)
