@@ -175,39 +175,32 @@ INLINE void Q4_block(const uint16_t *x, const float *f, const uint8_t *w, uint16
     for (int b = 0; b < B; b++)
         acc[b][0] = acc[b][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++, w += Q4_BYTES) {
-        /* sums over the group: lanes 2i + e of d[b][m] (low nibbles) and d[b][4 + m] (high) */
+        /* Up to Q4_FUSED_MAX_B rows of x, each quant vector goes into FMAs as it is unpacked
+         * (d[b][m]: low nibbles, d[b][4 + m]: high, lanes 2i + e); for more, the group is
+         * unpacked once into q[chunk][low nibbles of rows 0-3, 4-7, 8-11, 12-15; high the
+         * same], and each row of x goes through it below. */
         __m256 d[Q4_FUSED_MAX_B][8], q[8][8];
-        if (B <= Q4_FUSED_MAX_B) { /* few rows of x: quants go into FMAs as they are unpacked */
-            for (int b = 0; b < B; b++)
-                for (int k = 0; k < 8; k++)
-                    d[b][k] = _mm256_setzero_ps();
+        for (int b = 0; b < (B <= Q4_FUSED_MAX_B ? B : 0); b++)
+            for (int k = 0; k < 8; k++)
+                d[b][k] = _mm256_setzero_ps();
 #pragma GCC unroll 8
-            for (int c = 0; c < 8; c++) {
-                if (c % 2 == 0)
-                    _mm_prefetch((const char *)(w + PREFETCH * Q4_BYTES + 32 * c), _MM_HINT_T0);
-                for (int m = 0; m < 4; m++) {
-                    const __m256i v = _mm256_cvtepu8_epi32(
-                        _mm_loadl_epi64((const __m128i *)(w + 32 * c + 8 * m)));
-                    const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, nibble));
-                    const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
-                    for (int b = 0; b < B; b++) {
-                        const float *xg = f + b * (G + K) + G + g * GROUP;
-                        d[b][m] = _mm256_fmadd_ps(lo, pair(xg + 2 * c), d[b][m]);
-                        d[b][4 + m] = _mm256_fmadd_ps(hi, pair(xg + 16 + 2 * c), d[b][4 + m]);
-                    }
+        for (int c = 0; c < 8; c++) {
+            if (c % 2 == 0)
+                _mm_prefetch((const char *)(w + PREFETCH * Q4_BYTES + 32 * c), _MM_HINT_T0);
+            for (int m = 0; m < 4; m++) {
+                const __m256i v =
+                    _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + 32 * c + 8 * m)));
+                const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, nibble));
+                const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+                if (B > Q4_FUSED_MAX_B) {
+                    q[c][m] = lo;
+                    q[c][4 + m] = hi;
+                    continue;
                 }
-            }
-        } else { /* unpacked once into float32 (q[chunk][low nibbles of rows 0-3, 4-7, 8-11,
-                  * 12-15; high the same]), then each row of x through them */
-#pragma GCC unroll 8
-            for (int c = 0; c < 8; c++) {
-                if (c % 2 == 0)
-                    _mm_prefetch((const char *)(w + PREFETCH * Q4_BYTES + 32 * c), _MM_HINT_T0);
-                for (int m = 0; m < 4; m++) {
-                    const __m256i v = _mm256_cvtepu8_epi32(
-                        _mm_loadl_epi64((const __m128i *)(w + 32 * c + 8 * m)));
-                    q[c][m] = _mm256_cvtepi32_ps(_mm256_and_si256(v, nibble));
-                    q[c][4 + m] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+                for (int b = 0; b < B; b++) {
+                    const float *xg = f + b * (G + K) + G + g * GROUP;
+                    d[b][m] = _mm256_fmadd_ps(lo, pair(xg + 2 * c), d[b][m]);
+                    d[b][4 + m] = _mm256_fmadd_ps(hi, pair(xg + 16 + 2 * c), d[b][4 + m]);
                 }
             }
         }
