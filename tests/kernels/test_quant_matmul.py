@@ -102,6 +102,19 @@ def test_prompt_sized_inputs_in_more_than_one_pass(kernel, batch, shape):
     assert_rounded_once(got, x.double() @ (loaded_bf16(w) if on_tiles(kernel, batch) else w).T)
 
 
+@pytest.mark.parametrize("batch", [1, 3, 9])
+def test_the_plain_c_build_matches_the_exact_product(batch):
+    # What a CPU with neither AVX-512 nor AVX2 runs (built here with both turned off).
+    plain = QuantMatmul.load(extra_flags=("-mno-avx2", "-mno-fma") if X86 else ())
+    plain.sgemm_min_rows = 0  # the C code at every batch
+    for rows, cols in ((48, 96), (960, 576)):
+        x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(7)).bfloat16()
+        q, scale, low, w = q4_weight(rows, cols, seed=batch)
+        assert_rounded_once(plain.q4(x, QuantMatmul.pack_q4(q, scale, low), rows), x.double() @ w.T)
+        q, scale, w = q8_weight(rows, cols, seed=batch)
+        assert_rounded_once(plain.q8(x, QuantMatmul.pack_q8(q, scale), rows), x.double() @ w.T)
+
+
 def test_without_tiles_many_rows_go_to_a_float32_matmul(kernel):
     if kernel.tile_min_rows:  # the tiles serve them
         assert kernel.sgemm_min_rows == 0
