@@ -1,5 +1,5 @@
 /* What servelm's C kernels share: bfloat16 <-> float32 as torch converts, float16 -> float32, a
- * vectorizable e^x, the same for 16 AVX-512 lanes, and the AMX tile registers.
+ * vectorizable e^x, the same for 16 AVX-512 lanes or 8 AVX2 lanes, and the AMX tile registers.
  * Included by each kernel source; `build.py` hashes it with them. */
 
 #ifndef SERVELM_KERNELS_COMMON_H
@@ -135,6 +135,63 @@ INLINE __m512 exp_approx16(__m512 x)
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
     return _mm512_scalef_ps(p, n);
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#include <immintrin.h>
+
+/* 8 bfloat16 at p -> 8 float32 lanes (exactly) */
+INLINE __m256 load_bf16_8(const uint16_t *p)
+{
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+/* 8 float32 lanes -> their bfloat16 bits in the high halves of 32-bit lanes, rounded as
+ * float_to_bf16 rounds (to nearest even; a NaN stays a NaN) */
+INLINE __m256i bf16_bits_8(__m256 v)
+{
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i rounded =
+        _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
+    const __m256i nan = _mm256_or_si256(u, _mm256_set1_epi32(0x400000));
+    const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    return _mm256_and_si256(_mm256_blendv_epi8(rounded, nan, is_nan),
+                            _mm256_set1_epi32((int)0xffff0000u));
+}
+
+/* v rounded to bfloat16 and back, as storing and loading it would */
+INLINE __m256 round_bf16_8(__m256 v) { return _mm256_castsi256_ps(bf16_bits_8(v)); }
+
+/* 8 float32 lanes -> 8 bfloat16 at dst, rounded as float_to_bf16 */
+INLINE void store_bf16_8(uint16_t *dst, __m256 v)
+{
+    const __m256i halves = _mm256_srli_epi32(bf16_bits_8(v), 16);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(halves, halves), 0x08);
+    _mm_storeu_si128((__m128i *)dst, _mm256_castsi256_si128(packed));
+}
+
+/* exp_approx for 8 lanes: the same reduction, series and 2^n as a float's exponent */
+INLINE __m256 exp_approx8(__m256 x)
+{
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-06f), r);
+    __m256 p = _mm256_set1_ps(1.f / 5040);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 720));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    const __m256i bits =
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 #endif
 

@@ -46,11 +46,12 @@ def reference_norm(norm: RMSNorm, x, delta):
     return norm(x.clone(), delta)
 
 
-# Widths: the default model's, and one that is not a whole number of 16-lane vectors (the
-# bf16 ops' vector code takes the first, their scalar loops the second).
+# Widths: the default model's, one that is not a whole number of 16-lane vectors (AVX-512) and
+# one that is not of 8-lane vectors either (AVX2): the bf16 ops' vector code takes whole
+# vectors, their scalar loops the rest.
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 16, 300])  # 300 x 576 takes the threaded path
-@pytest.mark.parametrize("width", [576, 40])
+@pytest.mark.parametrize("width", [576, 40, 36])
 def test_add_rms_norm_matches_torch(ops, dtype, rows, width):
     norm = RMSNorm(width, 1e-5).to(dtype)
     norm.weight.data = randn(width, dtype=dtype, seed=1)
@@ -65,7 +66,7 @@ def test_add_rms_norm_matches_torch(ops, dtype, rows, width):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("D", [64, 16])
+@pytest.mark.parametrize("D", [64, 16, 12])
 def test_rotary_in_place_matches_torch(ops, dtype, D):
     T, hq, hkv = 37, 9, 3
     rope = RotaryEmbedding(D, 4096, 10000.0, None, dtype=dtype)
@@ -79,7 +80,7 @@ def test_rotary_in_place_matches_torch(ops, dtype, D):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("width", [1536, 40])
+@pytest.mark.parametrize("width", [1536, 40, 36])
 def test_silu_and_mul_matches_torch(ops, dtype, width):
     gate_up = randn(50, 2 * width, dtype=dtype, seed=6, scale=4.0)
     gate, up = gate_up.split(width, dim=-1)
