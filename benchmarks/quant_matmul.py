@@ -82,10 +82,8 @@ def main() -> None:
         weights.append([QuantMatmul.pack_q4(q, scale, low) for _ in range(args.copies)])
         if args.prompt_rows:
             w = q.float().view(rows, -1, 32) * scale[..., None] + low[..., None]
-            w = w.view(rows, cols)
-            pack = _pack if cpu_has_bf16_matmul() else torch.clone
-            plain.append([pack(w.bfloat16() if cpu_has_bf16_matmul() else w)
-                          for _ in range(args.copies)])  # fmt: skip
+            w, bf16 = w.view(rows, cols), cpu_has_bf16_matmul()  # else float32 copies
+            plain.append([_pack(w.bfloat16()) if bf16 else w.clone() for _ in range(args.copies)])
     print(f"one layer's four Q4_1 matmuls, {args.copies} copies of each weight, best of "
           f"{args.rounds} rounds, {torch.get_num_threads()} threads")  # fmt: skip
     print(f"{'rows':>5} {'as run here':>14} {'vector path':>14} {'ratio':>6}")

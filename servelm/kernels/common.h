@@ -138,7 +138,7 @@ INLINE __m512 exp_approx16(__m512 x)
 }
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
 /* 8 bfloat16 at p -> 8 float32 lanes (exactly) */

@@ -137,14 +137,17 @@ INLINE void Q4_block(const uint16_t *x, const float *xs, const uint8_t *w, uint1
  * inverse). */
 #define QUAD_ORDER 0xD8
 
+/* 8 float32 lanes of rows 0-7 into quad order, or back */
+INLINE __m256 quads(__m256 v)
+{
+    return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(v), QUAD_ORDER));
+}
+
 /* 16 float32 lanes in rows 0 1 4 5 2 3 6 7 | 8 9 12 13 10 11 14 15 order -> 16 bfloat16 */
 INLINE void store_bf16_quads(uint16_t *dst, __m256 a, __m256 b)
 {
-    float f[16];
-    _mm256_storeu_ps(f, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(a), QUAD_ORDER)));
-    _mm256_storeu_ps(f + 8, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(b), QUAD_ORDER)));
-    for (int i = 0; i < 16; i++)
-        dst[i] = float_to_bf16(f[i]);
+    store_bf16_8(dst, quads(a));
+    store_bf16_8(dst + 8, quads(b));
 }
 
 /* x[0], x[1] in every pair of lanes */
@@ -156,8 +159,7 @@ INLINE __m256 pair(const float *x)
 /* 8 float16 at p -> float32 lanes in quad order */
 INLINE __m256 load_half_quads(const uint16_t *p)
 {
-    const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-    return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(v), QUAD_ORDER));
+    return quads(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)));
 }
 
 /* One block of 16 rows against B rows of x, with AVX2's 8-lane FMAs. Each group's quants are
@@ -359,11 +361,8 @@ INLINE void Q8_block(const uint16_t *x, const float *xf, const uint8_t *w, uint1
         }
     }
     for (int b = 0; b < B; b++) {
-        float out[LANES];
-        _mm256_storeu_ps(out, acc[b][0]);
-        _mm256_storeu_ps(out + 8, acc[b][1]);
-        for (int i = 0; i < LANES; i++)
-            y[b * N + i] = float_to_bf16(out[i]);
+        store_bf16_8(y + b * N, acc[b][0]);
+        store_bf16_8(y + b * N + 8, acc[b][1]);
     }
 }
 

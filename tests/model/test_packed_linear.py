@@ -18,6 +18,14 @@ from servelm.model.layers.linear import (
 BF16_PACKING = cpu_has_bf16_matmul()  # AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT
 
 
+def unpacked_linear(x, w, b):
+    """What a bf16 layer gives: F.linear where oneDNN packs (bit-identical) or at few rows,
+    else F.linear in float32, rounded to bf16 once."""
+    if not BF16_PACKING and x.shape[0] >= BF16_VIA_F32_MIN_ROWS:
+        return F.linear(x.float(), w.float(), None if b is None else b.float()).bfloat16()
+    return F.linear(x, w, b)
+
+
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 3, 17, 64])
 def test_packed_linear_is_bitwise_f_linear(rows, bias):
@@ -35,9 +43,7 @@ def test_packed_linear_is_bitwise_f_linear(rows, bias):
     else:
         assert layer.packed is None and torch.equal(layer.weight, weight)
     with torch.inference_mode():
-        # unpacked, it is `plain_linear` (float32 from 8 rows: the test below)
-        want = F.linear(x, weight, b) if BF16_PACKING else plain_linear(x, weight, b)
-        assert torch.equal(layer(x), want)
+        assert torch.equal(layer(x), unpacked_linear(x, weight, b))
         assert torch.equal(LogitsHead(weight)(x), F.linear(x, weight))
 
 
@@ -73,8 +79,7 @@ def test_unpacked_bf16_goes_through_float32_where_the_cpu_has_no_bf16_matmul(row
     g = torch.Generator().manual_seed(rows)
     w, b = torch.randn(48, 64, generator=g).bfloat16(), torch.randn(48, generator=g).bfloat16()
     x = torch.randn(rows, 64, generator=g).bfloat16()
-    via_f32 = not BF16_PACKING and rows >= BF16_VIA_F32_MIN_ROWS
-    want = F.linear(x.float(), w.float(), b.float()).bfloat16() if via_f32 else F.linear(x, w, b)
+    want = unpacked_linear(x, w, b)
     assert torch.equal(plain_linear(x, w, b), want)
     # an unpacked Linear takes that path too
     layer = Linear(64, 48).to(torch.bfloat16)
