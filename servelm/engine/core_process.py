@@ -60,9 +60,9 @@ def run_engine_core(
         t0 = time.perf_counter()
         core, info = create_engine_core(args)
         if args.step_trace:  # opened before "ready": a bad path fails the start, not a step
-            stack = getattr(core.executor, "decode_stack_max_tokens", 0)
+            paths = getattr(core.executor, "step_paths", {})
             core.executor = recorder = StepRecorder(core.executor)
-            trace = StepTraceWriter(args.step_trace, recorder, {"decode_stack_max_tokens": stack})
+            trace = StepTraceWriter(args.step_trace, recorder, paths)
         # Everything allocated so far (model, tokenizer tables) lives as long as the process:
         # keep it out of the garbage collector's generations so collections stay short.
         gc.collect()

@@ -16,8 +16,9 @@ composition and the wall time of the engine loop's iteration (draining new reque
 forward, sample, sending the outputs). `servelm simulate --calibrate-trace FILE` fits a device
 profile to those lines, so the simulator learns what a step costs inside a loaded server,
 where the API process shares the machine with the engine. A trace opens with one
-`{"engine": {...}}` line: what the fit must know of the engine that ran the steps (how many
-decode tokens its decode stack takes, `decode_stack_max_tokens`).
+`{"engine": {...}}` line: what the fit must know of the engine's code paths (how many decode
+tokens its decode stack takes, `decode_stack_max_tokens`; from how many tokens a step's matmuls
+run in float32, `wide_step_min_tokens`).
 """
 
 from __future__ import annotations

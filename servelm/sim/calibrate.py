@@ -4,8 +4,8 @@ The default model (or any folder) is loaded in-process with `servelm.llm.LLM`; i
 steps batches built here, and each whole `engine.step()` (schedule + forward + sample + update)
 is timed, since that is what the simulator's clock advances by. Shapes:
 
-    prefill   one fresh prompt of N tokens per step           N in 64 .. 1024
-    decode    B requests with C-token contexts, one token each B in 1 .. 32, C in 64 .. 256
+    prefill   one fresh prompt of N tokens per step           N in 32 .. 1024
+    decode    B requests with C-token contexts, one token each B in 1 .. 48, C in 64 .. 256
 
 A short untimed warm-up runs first. Then rounds: each round times every shape once (a decode
 shape: the fastest of four steps; a prefill shape: the faster of two, since the first step
@@ -50,13 +50,17 @@ from servelm.sim.roofline import ModelCost
 from servelm.sim.sweep import run_sweep
 from servelm.store.fetch import resolve_model_dir
 
+PATH_KEYS = ("decode_stack_max_tokens", "wide_step_min_tokens")  # fit_profile's path sizes
 LISTED_POINTS = 40  # a profile file lists each timed step only up to this many
 
 # (kind, size, context): prefill size = prompt tokens; decode size = batch, context = prompt.
-# With a decode stack each path gets fitted shapes of its own and held-out ones inside their
-# range. On a CPU with AMX tiles the default model's stack takes every decode step, and the
-# Python layers' fit rests on the prefills (four of them, as a fit needs); without AMX the stack
-# takes decodes of up to 16 requests, and those of 24-48 join the prefills on the Python path.
+# With several code paths each path gets fitted shapes of its own (4 at least, as a fit needs)
+# and held-out ones inside their range. Where the default model's decode stack takes every
+# decode step (a CPU with AMX tiles, or one without oneDNN's bf16 matmul), the Python layers'
+# fit rests on the prefills; on an AVX2-only CPU the prefills of >= 192 tokens
+# (`wide_step_min_tokens`: float32 matmuls) have a path of their own, and the four shorter ones
+# are the Python layers'. Where the stack takes decodes of up to 16 requests, those of 32-48
+# join the prefills.
 FIT_SHAPES = [
     ("prefill", 64, 0),
     ("decode", 1, 128),
@@ -66,7 +70,11 @@ FIT_SHAPES = [
     ("prefill", 768, 0),
     ("decode", 8, 256),
     ("decode", 2, 256),
+    ("prefill", 160, 0),
     ("decode", 16, 128),
+    ("prefill", 384, 0),
+    ("prefill", 32, 0),
+    ("prefill", 96, 0),
     ("decode", 40, 128),
     ("decode", 32, 64),
     ("decode", 6, 64),
@@ -188,7 +196,7 @@ def calibrate(
     llm = LLM(model, **engine_kwargs)
     shape = shape_from_folder(llm.info.model_dir)
     cost = ModelCost.from_shape(shape)
-    stack = getattr(llm.engine.executor, "decode_stack_max_tokens", 0)
+    paths = getattr(llm.engine.executor, "step_paths", {})
     bench = _Bench(llm.engine, shape.vocab_size, seed, clock, torch.get_num_threads())
     bench.warm_up()
     fit_plan = list(fit_shapes or FIT_SHAPES)
@@ -212,7 +220,7 @@ def calibrate(
     report = {"rounds": done, "clock": clock, "torch_threads": bench.threads,
               "timed_wall_s": bench.wall_s, "timed_cpu_s": bench.cpu_s}  # fmt: skip
     name = f"cpu fitted on {shape.name}"
-    return _fit(fitted, held, cost, name, str(llm.info.model_dir), report, t0, stack=stack)
+    return _fit(fitted, held, cost, name, str(llm.info.model_dir), report, t0, paths=paths)
 
 
 def calibrate_from_trace(
@@ -231,9 +239,12 @@ def calibrate_from_trace(
     shape = shape_from_folder(model_dir)
     paths = [traces] if isinstance(traces, str | Path) else list(traces)
     steps = [TimedStep(step, s) for path in paths for step, s in read_step_trace(path)]
-    stacks = {read_trace_engine(path).get("decode_stack_max_tokens", 0) for path in paths}
-    if len(stacks) > 1:
-        raise ValueError(f"the traces come from engines with different decode stacks: {stacks}")
+    engines = {tuple(sorted(_paths(read_trace_engine(path)).items())) for path in paths}
+    if len(engines) > 1:
+        raise ValueError(
+            f"the traces come from engines with different code paths (decode stacks, wide "
+            f"steps): {sorted(engines)}"
+        )
     held = steps[hold_out_every - 1 :: hold_out_every]
     fitted = [p for i, p in enumerate(steps) if (i + 1) % hold_out_every]
     report = {"traces": [str(p) for p in paths], "steps": len(steps), "clock": "wall (server loop)"}
@@ -242,8 +253,13 @@ def calibrate_from_trace(
     # Least squares on seconds: a simulated run's time is the sum of its steps, so the many
     # short decode steps and the few long prefills should add up to what was traced.
     return _fit(
-        fitted, held, cost, name, str(model_dir), report, t0, relative=False, stack=stacks.pop()
+        fitted, held, cost, name, str(model_dir), report, t0, False, dict(engines.pop())
     )
+
+
+def _paths(engine: dict[str, Any]) -> dict[str, int]:
+    """The code-path sizes an engine line gives (`ModelRunner.step_paths`), 0 for absent ones."""
+    return {key: int(engine.get(key, 0)) for key in PATH_KEYS}
 
 
 def _bench_list(benches: dict[str, Any] | Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -330,9 +346,9 @@ def _fit(
     report: dict[str, Any],
     t0: float,
     relative: bool = True,
-    stack: int = 0,
+    paths: dict[str, int] | None = None,
 ) -> Calibration:
-    profile = fit_profile(fitted, cost, name, relative, decode_stack_max_tokens=stack)
+    profile = fit_profile(fitted, cost, name, relative, **_paths(paths or {}))
     errors = relative_errors(profile, cost, held)
     fit_errors = relative_errors(profile, cost, fitted)
     report = {

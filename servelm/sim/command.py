@@ -245,6 +245,8 @@ def _profile_from_args(args: argparse.Namespace, console: Console) -> str | None
             steps = "decode steps" if rows >= sys.maxsize else f"decode steps of <= {rows} tokens"
             stack = f"; decode stack ({steps}): "
             stack += _rates(p.decode_stack)
+        if p.wide_step is not None:
+            stack += f"; steps of >= {p.wide_step_min_tokens} tokens: {_rates(p.wide_step)}"
         console.print(
             f"fitted {_rates(p)}, {p.frontend_latency_s * 1e3:.1f} ms outside steps"
             f"{_api_rate(p)}{stack}; "

@@ -14,8 +14,9 @@ Starting points: the additive model (a FLOPs + b bytes), all compute-bound, all 
 the best final fit wins. FLOPs and bytes come from `roofline.step_cost` itself, so the fit and
 the simulator can never disagree on what a step costs.
 
-An engine with a decode stack (`decode_stack_max_tokens` > 0) runs two code paths with their
-own costs; the steps of each are fitted apart, and the stack's profile nests in the other's.
+An engine with a decode stack (`decode_stack_max_tokens` > 0), or a float32 path for wide steps
+(`wide_step_min_tokens` > 0), runs several code paths with their own costs; the steps of each
+are fitted apart, and the profiles of the decode stack and the wide steps nest in the other's.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import numpy as np
 
 from servelm.engine.step_trace import StepComposition
 from servelm.sim.executor import price
-from servelm.sim.roofline import DeviceProfile, ModelCost, measured_profile, on_decode_stack
+from servelm.sim.roofline import DeviceProfile, ModelCost, measured_profile, step_path
 
 _UNIT = measured_profile(1.0, 1.0)  # with unit rates, compute_s = FLOPs and memory_s = bytes
 NEVER_BINDS = 1e30  # the rate of a term the fit found never binds
@@ -79,6 +80,7 @@ def fit_profile(
     name: str = "cpu (fitted)",
     relative: bool = True,
     decode_stack_max_tokens: int = 0,
+    wide_step_min_tokens: int = 0,
 ) -> DeviceProfile:
     """The measured profile whose roofline best matches `points`: least squares on relative
     errors (each step counts alike), or with `relative=False` on seconds (each second counts
@@ -86,18 +88,27 @@ def fit_profile(
 
     With `decode_stack_max_tokens` > 0 the engine's decode-stack steps (decode-only, at most
     that many tokens) get a profile of their own, fitted to them alone, nested in the profile
-    of the other steps; each path needs 4 timed steps."""
-    if decode_stack_max_tokens <= 0:
-        return _fit_one(points, cost, name, relative)
-    stack, other = [], []
+    of the other steps; so do the steps of at least `wide_step_min_tokens` tokens when that is
+    > 0. Each path needs 4 timed steps."""
+    paths: dict[str, list[TimedStep]] = {"layers": [], "decode stack": [], "wide": []}
     for p in points:
-        on = on_decode_stack(p.step.prefill_tokens, p.step.decode_tokens, decode_stack_max_tokens)
-        (stack if on else other).append(p)
-    return replace(
-        _fit_one(other, cost, name, relative, "other "),
-        decode_stack=_fit_one(stack, cost, f"{name}, decode stack", relative, "decode-stack "),
-        decode_stack_max_tokens=decode_stack_max_tokens,
-    )
+        s = p.step
+        paths[
+            step_path(s.prefill_tokens, s.decode_tokens, decode_stack_max_tokens, wide_step_min_tokens)
+        ].append(p)
+    several = decode_stack_max_tokens > 0 or wide_step_min_tokens > 0
+    profile = _fit_one(paths["layers"], cost, name, relative, "other " if several else "")
+    if decode_stack_max_tokens > 0:
+        stack = _fit_one(
+            paths["decode stack"], cost, f"{name}, decode stack", relative, "decode-stack "
+        )
+        profile = replace(
+            profile, decode_stack=stack, decode_stack_max_tokens=decode_stack_max_tokens
+        )
+    if wide_step_min_tokens > 0:
+        wide = _fit_one(paths["wide"], cost, f"{name}, wide steps", relative, "wide ")
+        profile = replace(profile, wide_step=wide, wide_step_min_tokens=wide_step_min_tokens)
+    return profile
 
 
 def _fit_one(

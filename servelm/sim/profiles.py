@@ -55,7 +55,8 @@ def load_profile(path: str | Path) -> ProfileFile:
 
 
 def profile_from_dict(raw: dict[str, Any], path: str | Path = "profile") -> DeviceProfile:
-    """A DeviceProfile from its `asdict` form (unknown keys ignored, a nested decode stack too)."""
+    """A DeviceProfile from its `asdict` form (unknown keys ignored, the nested profiles of
+    a decode stack and of wide steps too)."""
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: a profile must be a JSON object")
     missing = {"name", "peak_flops", "mem_bandwidth"} - raw.keys()
@@ -63,7 +64,8 @@ def profile_from_dict(raw: dict[str, Any], path: str | Path = "profile") -> Devi
         raise ValueError(f"{path}: profile lacks {sorted(missing)}")
     known = {f.name for f in fields(DeviceProfile)}
     values = {k: v for k, v in raw.items() if k in known}
-    if values.get("decode_stack") is not None:
-        values["decode_stack"] = profile_from_dict(values["decode_stack"], f"{path} (decode_stack)")
+    for nested in ("decode_stack", "wide_step"):
+        if values.get(nested) is not None:
+            values[nested] = profile_from_dict(values[nested], f"{path} ({nested})")
     defaults = {"compute_efficiency": 1.0, "bandwidth_efficiency": 1.0, "step_overhead_s": 0.0}
     return DeviceProfile(**{**defaults, **values})

@@ -47,6 +47,12 @@ one token, up to `decode_stack_max_tokens` of them, through its decode stack (al
 C call, `worker/decode_stack.py`), and every other step through the Python layers. A profile
 fitted to such an engine carries a second profile, `decode_stack`, that prices those steps;
 `profile_for_step` picks. The GPU profiles have none.
+
+A third curve: on a CPU without AMX tiles or oneDNN's bf16 matmul (an AVX2-only AMD EPYC), steps
+of at least `wide_step_min_tokens` tokens run their int4 matmuls through float32 copies of the
+weights, dequantized for the step, and torch's float32 matmul (`QuantMatmul.sgemm_min_rows`):
+a fixed cost per step at a higher FLOP rate than the C kernels that take smaller steps. Such a
+profile carries `wide_step`, which prices those steps. `step_path` decides, for the fit too.
 """
 
 from __future__ import annotations
@@ -91,6 +97,10 @@ class DeviceProfile:
     # `decode_stack` says (see the module docstring); None / 0: one path for every step
     decode_stack: DeviceProfile | None = None
     decode_stack_max_tokens: int = 0
+    # the engine's float32 path: steps of at least this many tokens (prompt and decode
+    # together) cost what `wide_step` says; None / 0: no such path
+    wide_step: DeviceProfile | None = None
+    wide_step_min_tokens: int = 0
 
     def effective_flops(self) -> float:
         return self.peak_flops * self.compute_efficiency
@@ -108,18 +118,22 @@ class DeviceProfile:
 
     def profile_for_step(self, prefill_tokens: int, decode_tokens: int) -> DeviceProfile:
         """The profile that prices a step: `decode_stack` for the steps the engine runs
-        through it (no prompt tokens, 1 .. decode_stack_max_tokens decodes), else this one."""
-        stack = self.decode_stack
-        if stack is not None and on_decode_stack(
-            prefill_tokens, decode_tokens, self.decode_stack_max_tokens
-        ):
-            return stack
-        return self
+        through it (no prompt tokens, 1 .. decode_stack_max_tokens decodes), `wide_step` for
+        steps of at least wide_step_min_tokens tokens, else this one."""
+        stack_max = self.decode_stack_max_tokens if self.decode_stack is not None else 0
+        wide_min = self.wide_step_min_tokens if self.wide_step is not None else 0
+        path = step_path(prefill_tokens, decode_tokens, stack_max, wide_min)
+        return {"decode stack": self.decode_stack, "wide": self.wide_step}.get(path) or self
 
 
-def on_decode_stack(prefill_tokens: int, decode_tokens: int, max_tokens: int) -> bool:
-    """Whether an engine whose decode stack takes up to `max_tokens` runs this step on it."""
-    return prefill_tokens == 0 and 0 < decode_tokens <= max_tokens
+def step_path(prefill_tokens: int, decode_tokens: int, stack_max: int, wide_min: int) -> str:
+    """Which code path an engine runs a step on: "decode stack" (no prompt tokens, 1 ..
+    `stack_max` decodes), "wide" (at least `wide_min` tokens; 0: no such path) or "layers"."""
+    if prefill_tokens == 0 and 0 < decode_tokens <= stack_max:
+        return "decode stack"
+    if 0 < wide_min <= prefill_tokens + decode_tokens:
+        return "wide"
+    return "layers"
 
 
 def gpu_profile(gpu: str | GpuSpec, dtype: str = "bf16") -> DeviceProfile:

@@ -25,7 +25,7 @@ from servelm.kernels.paged_decode import PagedDecodeKernel
 from servelm.kernels.paged_prefill import PagedPrefillKernel
 from servelm.kernels.quant_matmul import QuantMatmul
 from servelm.model.config import ModelSpec
-from servelm.model.layers.linear import ALL_ROWS
+from servelm.model.layers.linear import ALL_ROWS, c_int4_max_rows
 from servelm.model.loader import build_model
 from servelm.worker.attention import TorchPagedAttention
 from servelm.worker.decode_stack import DecodeStack
@@ -165,6 +165,23 @@ class ModelRunner:
     def decode_stack_max_tokens(self) -> int:
         """Decode-only steps of up to this many tokens run on the decode stack (0: none do)."""
         return self.decode_stack.max_rows if self.decode_stack is not None else 0
+
+    @property
+    def wide_step_min_tokens(self) -> int:
+        """Steps of at least this many tokens run their int4 matmuls through float32 copies of
+        the weights and torch's float32 matmul (`QuantMatmul.sgemm_min_rows`; 0: none do)."""
+        kernel = self.quant_kernel
+        if kernel is None or not self.int4_layers or c_int4_max_rows(kernel) < kernel.sgemm_min_rows:
+            return 0  # (with oneDNN's bf16 matmul, such steps never reach the C kernel)
+        return kernel.sgemm_min_rows
+
+    @property
+    def step_paths(self) -> dict[str, int]:
+        """What a step-time model must know of this engine's code paths (`sim.roofline`)."""
+        return {
+            "decode_stack_max_tokens": self.decode_stack_max_tokens,
+            "wide_step_min_tokens": self.wide_step_min_tokens,
+        }
 
     @property
     def kernel_summary(self) -> str:

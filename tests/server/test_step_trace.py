@@ -48,5 +48,5 @@ def test_trace_counts_every_token_the_server_computed(traced):
     first_decode = compositions[1]
     assert first_decode.context_tokens_read == len(PROMPTS[0])
     assert all(0 < seconds < 10 for _, seconds in steps)
-    # the engine line: the tiny model runs in float32, which has no decode stack
-    assert read_trace_engine(path) == {"decode_stack_max_tokens": 0}
+    # the engine line: the tiny model runs in float32, which has no decode stack and no int4
+    assert read_trace_engine(path) == {"decode_stack_max_tokens": 0, "wide_step_min_tokens": 0}

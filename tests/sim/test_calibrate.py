@@ -3,18 +3,10 @@
 import pytest
 
 from servelm.cli import main
-from servelm.model.layers.linear import cpu_has_bf16_matmul
 from servelm.sim.profiles import load_profile
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    not cpu_has_bf16_matmul(),
-    reason="known gap: on an AVX2-only CPU a prompt step's cost has two regimes (the C matmuls "
-    "below 192 rows, float32 dequantization + torch's matmul from there, with a fixed cost), "
-    "which one FLOP rate cannot fit: held-out prefill 128 -27 %, 512 +18 % on an EPYC",
-    strict=False,
-)
 def test_calibrated_profile_predicts_held_out_steps(tmp_path, default_model_dir):
     out = tmp_path / "cpu.json"
     code = main(

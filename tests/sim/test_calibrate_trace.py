@@ -232,5 +232,30 @@ def test_a_trace_from_an_engine_with_a_decode_stack_fits_both_paths(tmp_path, ti
     # traces from engines with different stacks do not make one profile
     other = tmp_path / "other.jsonl"
     other.write_text(json.dumps({"engine": {"decode_stack_max_tokens": 8}}) + "\n")
-    with pytest.raises(ValueError, match="different decode stacks"):
+    with pytest.raises(ValueError, match="different code paths"):
         calibrate_from_trace([path, other], str(tiny_model_dir))
+
+
+def test_a_trace_from_an_engine_with_float32_wide_steps_fits_them_apart(tmp_path, tiny_model_dir):
+    from servelm.planner.shapes import shape_from_folder
+    from servelm.sim.roofline import ModelCost
+
+    cost = ModelCost.from_shape(shape_from_folder(tiny_model_dir))
+    wide = measured_profile(9e11, 1e15, step_overhead_s=0.080, per_request_s=0.001)
+    truth = replace(TRUE, wide_step=wide, wide_step_min_tokens=192)
+    steps = [StepComposition(n, 0, 0, n * (n + 1) // 2, 1, 1) for n in range(32, 1100, 48)]
+    steps += [StepComposition(0, b, b * 200, b * 201, b, b) for b in range(1, 33)]
+    engine = {"decode_stack_max_tokens": 0, "wide_step_min_tokens": 192}
+    path = tmp_path / "steps.jsonl"
+    with path.open("w") as f:
+        f.write(json.dumps({"engine": engine}) + "\n")
+        for step in steps:
+            f.write(json.dumps({"seconds": price(step, truth, cost).total_s, **step.__dict__}))
+            f.write("\n")
+    cal = calibrate_from_trace(path, str(tiny_model_dir))
+    fitted = cal.profile_file.profile
+    assert fitted.wide_step_min_tokens == 192 and fitted.decode_stack is None
+    assert fitted.wide_step.step_overhead_s == pytest.approx(0.080, rel=0.02)
+    assert max(abs(e) for e in cal.held_out_errors) < 0.01
+    cal.profile_file.write(tmp_path / "cpu.json")
+    assert load_profile(tmp_path / "cpu.json").profile == fitted

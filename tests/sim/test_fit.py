@@ -70,3 +70,29 @@ def test_two_paths_are_fitted_apart_and_nested():
     assert max(abs(e) for e in relative_errors(one, COST, points)) > 0.2
     with pytest.raises(ValueError, match="decode-stack steps"):
         fit_profile(points, COST, decode_stack_max_tokens=1)  # only one step of 1 token
+
+
+def test_wide_steps_get_a_profile_of_their_own():
+    # An AVX2 CPU's engine: from 192 tokens a step dequantizes its weights to float32 (a fixed
+    # cost) and multiplies at a higher FLOP rate; one FLOP rate cannot price both sides.
+    layers = measured_profile(60e9, 3e9, step_overhead_s=0.02, per_request_s=0.004)
+    wide = measured_profile(110e9, 3e9, step_overhead_s=0.09, per_request_s=0.004)
+    stack = measured_profile(1e30, 20e9, step_overhead_s=0.003, per_request_s=0.002)
+    truth = replace(layers, decode_stack=stack, decode_stack_max_tokens=16)
+    truth = replace(truth, wide_step=wide, wide_step_min_tokens=192)
+    shapes = steps() + [StepComposition(0, b, b * 300, b * 301, b, b) for b in (2, 6, 12)]
+    shapes.append(StepComposition(160, 0, 0, pairs_for_request(160, 0), 1, 1))
+    shapes.append(StepComposition(180, 20, 20 * 100, pairs_for_request(180, 0) + 20 * 101, 1, 21))
+    points = [TimedStep(s, predict(truth, COST, s)) for s in shapes]
+    fitted = fit_profile(points, COST, decode_stack_max_tokens=16, wide_step_min_tokens=192)
+    assert (fitted.decode_stack_max_tokens, fitted.wide_step_min_tokens) == (16, 192)
+    assert fitted.peak_flops == pytest.approx(60e9, rel=1e-3)
+    assert fitted.wide_step.peak_flops == pytest.approx(110e9, rel=1e-3)
+    assert fitted.wide_step.step_overhead_s == pytest.approx(0.09, rel=1e-3)
+    assert max(abs(e) for e in relative_errors(fitted, COST, points)) < 1e-6
+    # the 180 + 20 token step is a wide one: tokens of both kinds count
+    assert fitted.profile_for_step(180, 20) is fitted.wide_step
+    without = fit_profile(points, COST, decode_stack_max_tokens=16)
+    assert max(abs(e) for e in relative_errors(without, COST, points)) > 0.1
+    with pytest.raises(ValueError, match="wide steps"):
+        fit_profile(points, COST, decode_stack_max_tokens=16, wide_step_min_tokens=1000)

@@ -126,3 +126,19 @@ def test_a_decode_stack_prices_the_steps_the_engine_runs_on_it():
         )
     assert step_time(cpu, tiny, 0, 16, 100) < step_time(cpu, tiny, 0, 17, 100) - 0.025
     assert layers.profile_for_step(0, 1) is layers  # no stack: one path
+
+
+def test_wide_steps_are_priced_by_their_own_profile():
+    layers = measured_profile(flops=6e10, bandwidth=2e10, step_overhead_s=0.010)
+    wide = measured_profile(flops=1.1e11, bandwidth=2e10, step_overhead_s=0.080)
+    stack = measured_profile(flops=6e10, bandwidth=2e10, step_overhead_s=0.004)
+    cpu = dataclasses.replace(layers, decode_stack=stack, decode_stack_max_tokens=16)
+    cpu = dataclasses.replace(cpu, wide_step=wide, wide_step_min_tokens=192)
+    for prefill, decode, path in [(0, 16, stack), (0, 17, cpu), (191, 0, cpu), (192, 0, wide),
+                                  (100, 92, wide), (0, 200, wide), (1024, 0, wide)]:  # fmt: skip
+        assert cpu.profile_for_step(prefill, decode) is path
+    tiny = ModelCost.from_shape(get_model("smollm2-135m"))
+    assert step_time(cpu, tiny, 192, 0, 0) == step_time(wide, tiny, 192, 0, 0)
+    assert step_time(cpu, tiny, 1024, 0, 0) < step_time(layers, tiny, 1024, 0, 0) * 0.8
+    one_path = dataclasses.replace(layers, wide_step_min_tokens=192)  # no profile: no path
+    assert one_path.profile_for_step(192, 0) is one_path

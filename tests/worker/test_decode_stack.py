@@ -53,6 +53,24 @@ def test_it_is_built_and_named(llm):
     assert f"; {steps}: all layers in one C call" in runner.kernel_summary
 
 
+def test_the_step_paths_say_from_which_step_size_matmuls_run_in_float32(llm, monkeypatch):
+    # What the simulator's fit is told (`step_paths`) against what the layers do: count the
+    # int4 weights dequantized to float32 for torch's matmul in a one-prompt step of each size.
+    runner = llm.engine.executor
+    wide = runner.wide_step_min_tokens
+    assert runner.step_paths == {"decode_stack_max_tokens": MAX_ROWS, "wide_step_min_tokens": wide}
+    kernel = runner.quant_kernel
+    calls = []
+    dequantize = kernel.dequantize_q4
+    monkeypatch.setattr(kernel, "dequantize_q4", lambda *a: calls.append(1) or dequantize(*a))
+    params = SamplingParams(max_tokens=1, temperature=0)
+    for tokens in (wide - 1, wide) if wide else (300,):
+        calls.clear()
+        llm.generate([[7] * tokens], params)
+        assert bool(calls) == (wide > 0 and tokens >= wide), (tokens, len(calls))
+    assert wide in (0, kernel.sgemm_min_rows)
+
+
 def hidden_both_ways(llm, seqs, ids):
     """The stack's and the Python layers' hidden states for one step of `seqs`, and whether
     the two stored the same K/V."""
