@@ -89,13 +89,17 @@ def fit_profile(
     With `decode_stack_max_tokens` > 0 the engine's decode-stack steps (decode-only, at most
     that many tokens) get a profile of their own, fitted to them alone, nested in the profile
     of the other steps; so do the steps of at least `wide_step_min_tokens` tokens when that is
-    > 0. Each path needs 4 timed steps."""
+    > 0. Each path needs 4 timed steps, except that wide steps too few for a fit of their own
+    (a server's trace of short prompts may have one or two) join the other steps."""
     paths: dict[str, list[TimedStep]] = {"layers": [], "decode stack": [], "wide": []}
     for p in points:
         s = p.step
         paths[
             step_path(s.prefill_tokens, s.decode_tokens, decode_stack_max_tokens, wide_step_min_tokens)
         ].append(p)
+    if len(paths["wide"]) < 4:
+        paths["layers"] += paths.pop("wide")
+        wide_step_min_tokens = 0
     several = decode_stack_max_tokens > 0 or wide_step_min_tokens > 0
     profile = _fit_one(paths["layers"], cost, name, relative, "other " if several else "")
     if decode_stack_max_tokens > 0:
