@@ -595,12 +595,28 @@ void q4_dequantize_f32(const uint8_t *w, float *out, int64_t N, int64_t K)
             for (int i = 0; i < LANES; i++) {
                 const float scale = half_to_float(sl[i]), low = half_to_float(sl[LANES + i]);
                 float *row = out + (n * LANES + i) * K + g * GROUP;
+                uint8_t bytes[16]; /* row i's: byte 2c + e holds element 2c + e and 16 + 2c + e */
                 for (int c = 0; c < 8; c++)
-                    for (int e = 0; e < 2; e++) {
-                        const uint8_t byte = block[32 * c + 2 * i + e];
-                        row[2 * c + e] = (float)(byte & 15) * scale + low;
-                        row[2 * c + 16 + e] = (float)(byte >> 4) * scale + low;
-                    }
+                    memcpy(bytes + 2 * c, block + 32 * c + 2 * i, 2);
+#if defined(__AVX2__) && defined(__FMA__)
+                /* fma rounds q * scale + low once, as the scalar code does (q * scale is exact) */
+                const __m128i packed = _mm_loadu_si128((const __m128i *)bytes);
+                const __m128i nibbles[2] = {_mm_and_si128(packed, _mm_set1_epi8(15)),
+                                            _mm_and_si128(_mm_srli_epi16(packed, 4),
+                                                          _mm_set1_epi8(15))};
+                const __m256 vs = _mm256_set1_ps(scale), vl = _mm256_set1_ps(low);
+                for (int h = 0; h < 4; h++) {
+                    const __m128i q8 = nibbles[h / 2]; /* h = 0, 1: low nibbles; 2, 3: high */
+                    const __m128i part = h % 2 ? _mm_unpackhi_epi64(q8, q8) : q8;
+                    const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part));
+                    _mm256_storeu_ps(row + 8 * h, _mm256_fmadd_ps(q, vs, vl));
+                }
+#else
+                for (int j = 0; j < 16; j++) {
+                    row[j] = (float)(bytes[j] & 15) * scale + low;
+                    row[16 + j] = (float)(bytes[j] >> 4) * scale + low;
+                }
+#endif
             }
         }
 }

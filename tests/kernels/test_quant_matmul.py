@@ -111,6 +111,7 @@ def test_the_plain_c_build_matches_the_exact_product(batch):
         x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(7)).bfloat16()
         q, scale, low, w = q4_weight(rows, cols, seed=batch)
         assert_rounded_once(plain.q4(x, QuantMatmul.pack_q4(q, scale, low), rows), x.double() @ w.T)
+        assert torch.equal(plain.dequantize_q4(QuantMatmul.pack_q4(q, scale, low), rows), w.float())
         q, scale, w = q8_weight(rows, cols, seed=batch)
         assert_rounded_once(plain.q8(x, QuantMatmul.pack_q8(q, scale), rows), x.double() @ w.T)
 
