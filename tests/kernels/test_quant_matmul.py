@@ -224,7 +224,7 @@ def q8_weight(rows: int, cols: int, seed: int = 0):
     return q, scale, (q.double().view(rows, -1, 32) * scale.double()[..., None]).view(rows, cols)
 
 
-@pytest.mark.parametrize("batch", [1, 2, 4, 8, 11])
+@pytest.mark.parametrize("batch", [1, 2, 4, 8, 11, 16, 19])
 @pytest.mark.parametrize("shape", [(16, 32), (48, 96), (4096, 576)])
 def test_q8_matches_the_exact_product(kernel, batch, shape):
     rows, cols = shape

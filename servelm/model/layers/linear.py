@@ -103,11 +103,15 @@ ALL_ROWS = sys.maxsize
 # matmul on a float32 copy (and bf16's fallback is slower still).
 
 
+def c_kernel_max_rows(bf16_cut: int) -> int:
+    """Rows up to which a C vector matmul serves: `bf16_cut` where oneDNN multiplies bf16
+    faster from there, every row where it has no bf16 matmul (see above)."""
+    return bf16_cut if cpu_has_bf16_matmul() else ALL_ROWS
+
+
 def c_int4_max_rows(kernel: QuantMatmul) -> int:
     """Rows up to which servelm's C int4 matmul beats bf16 on this CPU (see above)."""
-    if kernel.tile_min_rows or not cpu_has_bf16_matmul():
-        return ALL_ROWS
-    return C_INT4_VECTOR_MAX_ROWS
+    return ALL_ROWS if kernel.tile_min_rows else c_kernel_max_rows(C_INT4_VECTOR_MAX_ROWS)
 
 
 # The logits head reads its Q8_0 copy (servelm's C kernel) up to this many rows. Alone, with
@@ -168,12 +172,10 @@ class Int4Weight:
                 kernel = None
         q, self.error = _on_grid(groups, low, step)
         q = q.clamp_(0, 15).view(rows, cols)
-        self.rows, self.kernel = rows, kernel
-        self.max_rows = INT4_MAX_ROWS if kernel is None else c_int4_max_rows(kernel)
         if kernel is not None:
-            self.packed = kernel.pack_q4(q, step.view(rows, -1), low.view(rows, -1))
-            self.nbytes = self.packed.nbytes
+            self._keep(kernel.pack_q4(q, step.view(rows, -1), low.view(rows, -1)), rows, kernel)
             return
+        self.rows, self.kernel, self.max_rows = rows, None, INT4_MAX_ROWS
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
         # torch's form: w = (q - 8) * scale + zero, as [groups, rows, (scale, zero)]
         scale_zero = torch.cat([step, low + 8 * step], dim=-1)
@@ -187,10 +189,14 @@ class Int4Weight:
         """One made before and kept (`model/packed_cache.py`): `packed` from the C kernel's
         `pack_q4` of a [rows, K] weight, `error` as it was then."""
         self = cls.__new__(cls)
-        self.rows, self.kernel, self.error = rows, kernel, error
-        self.max_rows = c_int4_max_rows(kernel)
-        self.packed, self.nbytes = packed, packed.nbytes
+        self.error = error
+        self._keep(packed, rows, kernel)
         return self
+
+    def _keep(self, packed: torch.Tensor, rows: int, kernel: QuantMatmul) -> None:
+        """Serve from `packed`, the C kernel's layout of a [rows, K] weight."""
+        self.rows, self.kernel, self.max_rows = rows, kernel, c_int4_max_rows(kernel)
+        self.packed, self.nbytes = packed, packed.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
@@ -278,7 +284,7 @@ class LogitsHead:
         self.packed = _pack(weight) if can_pack(weight) else None
         self.weight = weight if self.packed is None else None
         self.q8 = q8
-        self.q8_max_rows = HEAD_Q8_MAX_ROWS if cpu_has_bf16_matmul() else ALL_ROWS
+        self.q8_max_rows = c_kernel_max_rows(HEAD_Q8_MAX_ROWS)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.q8 is not None and hidden.shape[0] <= self.q8_max_rows:
