@@ -31,6 +31,12 @@
 #define QT 16 /* queries per tile: the lanes */
 #define KC 32 /* keys per chunk: one bf16 tile row */
 
+/* The slot of token t through the block table. */
+INLINE int64_t slot_of(const int64_t *blocks, int64_t block_size, int64_t t)
+{
+    return blocks[t / block_size] * block_size + t % block_size;
+}
+
 #ifdef HAVE_AMX
 
 /* 2^y for 16 lanes of y <= 0: 2^round(y) from vscalefps times 2^f, |f| <= 1/2, from its Taylor
@@ -56,12 +62,6 @@ INLINE __m512i pair_up(void)
 {
     return _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
                             6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-}
-
-/* The slot of token t through the block table. */
-INLINE int64_t slot_of(const int64_t *blocks, int64_t block_size, int64_t t)
-{
-    return blocks[t / block_size] * block_size + t % block_size;
 }
 
 /* V^T of chunk c of KV head h: for each slab of 16 dims, 16 rows (dims) of 32 keys. Pairs of
@@ -290,19 +290,184 @@ static void attend_tile(const uint16_t *q, int64_t q_stride, const uint16_t *k_c
     }
 }
 
-#endif
+#elif defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define VECTOR_PREFILL 1
 
-/* Bytes of scratch a call needs for its packed V. */
-int64_t paged_prefill_scratch_bytes(int64_t ctx, int64_t Hkv, int64_t D)
+/* Without tiles (an AVX2-only CPU), in float32 FMAs. The context's K and V are widened once per
+ * call into `scratch`: K^T in chunks of 8 keys (kt [Hkv][keys / 8][D][8], keys rounded up to 16,
+ * zeros past ctx) and V as rows (vf [Hkv][keys][D]). Each item is one query head and a tile of
+ * QV queries, over the keys in chunks of 16 with q_i at position ctx - n + i:
+ *
+ *   s_i[key] = q_i . K[key] * scale         lanes = keys, q_i broadcast, 8 chains of FMAs
+ *   online softmax per query (float32): running max m_i, sum l_i, p_i = e^(s_i - m_i)
+ *   O_i = alpha_i O_i + sum_key p_i[key] V[key]        lanes = dims, p_i broadcast
+ *   out[i] = O_i / l_i                               keys > position masked
+ *
+ * P stays in float32 (torch's flash attention rounds it to bf16; the output is rounded once). */
+INLINE int64_t keys_padded(int64_t ctx) { return (ctx + 7) / 8 * 8; }
+
+/* 8 x 8 float32 transposed in place: r[j] lane i <- r[i] lane j */
+INLINE void transpose8(__m256 r[8])
 {
-    return Hkv * ((ctx + KC - 1) / KC) * D * KC * 2;
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4)
+        for (int j = 0; j < 2; j++) {
+            u[i + 2 * j] = _mm256_shuffle_ps(t[i + j], t[i + 2 + j], _MM_SHUFFLE(1, 0, 1, 0));
+            u[i + 2 * j + 1] = _mm256_shuffle_ps(t[i + j], t[i + 2 + j], _MM_SHUFFLE(3, 2, 3, 2));
+        }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
 }
 
-/* 1 where this build has the kernel and Linux lets this process use the tile unit. */
+/* Keys 8c .. 8c + 7 of KV head h into kt and vf (zeros past ctx). */
+static void widen_chunk(const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *blocks,
+                        int64_t block_size, int64_t ctx, int64_t Hkv, int64_t D, int64_t h,
+                        int64_t c, float *kt, float *vf)
+{
+    const uint16_t *k_rows[8], *v_rows[8];
+    for (int j = 0; j < 8; j++) {
+        const int64_t t = 8 * c + j;
+        const int64_t row = t < ctx ? (slot_of(blocks, block_size, t) * Hkv + h) * D : -1;
+        k_rows[j] = row < 0 ? NULL : k_cache + row;
+        v_rows[j] = row < 0 ? NULL : v_cache + row;
+    }
+    for (int64_t d = 0; d < D; d += 8) {
+        __m256 r[8];
+        for (int j = 0; j < 8; j++) {
+            r[j] = k_rows[j] ? load_bf16_8(k_rows[j] + d) : _mm256_setzero_ps();
+            _mm256_storeu_ps(vf + (8 * c + j) * D + d,
+                             v_rows[j] ? load_bf16_8(v_rows[j] + d) : _mm256_setzero_ps());
+        }
+        transpose8(r); /* r[j]: dim d + j of the 8 keys */
+        for (int j = 0; j < 8; j++)
+            _mm256_storeu_ps(kt + (c * D + d + j) * 8, r[j]);
+    }
+}
+
+INLINE float hmax8(__m256 v)
+{
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+INLINE float hsum8(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* 8 queries of one head (q0 ..; rows of them real) over the widened context: see above. */
+static void attend_queries(const uint16_t *q, int64_t q_stride, const float *kt, const float *vf,
+                           int64_t n, int64_t ctx, int64_t D, int64_t hq, int64_t q0,
+                           float scale, uint16_t *out, int64_t out_stride)
+{
+    const int64_t rows = n - q0 < 8 ? n - q0 : 8, first_pos = ctx - n + q0;
+    const int64_t chunks = (first_pos + rows - 1) / 8 + 1;
+    float qs[8][256], o[8][256];
+    __attribute__((aligned(32))) float pt[8][8], alpha[8]; /* P^T [key][query] */
+    int32_t pos_lanes[8]; /* padding queries repeat the last real one */
+    for (int i = 0; i < 8; i++) {
+        const int64_t row = i < rows ? i : rows - 1;
+        const uint16_t *qi = q + (q0 + row) * q_stride + hq * D;
+        for (int64_t d = 0; d < D; d += 8) {
+            _mm256_storeu_ps(qs[i] + d, _mm256_mul_ps(load_bf16_8(qi + d), _mm256_set1_ps(scale)));
+            _mm256_storeu_ps(o[i] + d, _mm256_setzero_ps());
+        }
+        pos_lanes[i] = (int32_t)(first_pos + row);
+    }
+    const __m256i pos = _mm256_loadu_si256((const __m256i *)pos_lanes);
+    __m256 m = _mm256_set1_ps(-INFINITY), l = _mm256_setzero_ps(); /* lanes: queries */
+    for (int64_t c = 0; c < chunks; c++) {
+        /* s[i] lanes = the chunk's 8 keys, for query i; then transposed: s[key] lanes = queries */
+        const float *k = kt + c * D * 8;
+        __m256 s[8];
+        for (int i = 0; i < 8; i++)
+            s[i] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d++) {
+            const __m256 kd = _mm256_loadu_ps(k + d * 8);
+            for (int i = 0; i < 8; i++)
+                s[i] = _mm256_fmadd_ps(kd, _mm256_broadcast_ss(qs[i] + d), s[i]);
+        }
+        transpose8(s);
+        /* online softmax, lanes = queries; keys past a query's position masked */
+        __m256 keep[8], top = _mm256_set1_ps(-INFINITY);
+        for (int j = 0; j < 8; j++) {
+            const __m256i key = _mm256_set1_epi32((int)(8 * c + j));
+            keep[j] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_add_epi32(pos, _mm256_set1_epi32(1)), key));
+            top = _mm256_max_ps(top, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s[j], keep[j]));
+        }
+        /* key 0 is in chunk 0, so m_new is finite; alpha is (about) 0 there */
+        const __m256 m_new = _mm256_max_ps(m, top);
+        const __m256 a = exp_approx8(_mm256_sub_ps(m, m_new));
+        m = m_new;
+        __m256 sum = _mm256_setzero_ps();
+        for (int j = 0; j < 8; j++) {
+            const __m256 p = _mm256_and_ps(exp_approx8(_mm256_sub_ps(s[j], m_new)), keep[j]);
+            sum = _mm256_add_ps(sum, p);
+            _mm256_store_ps(pt[j], p);
+        }
+        l = _mm256_fmadd_ps(l, a, sum);
+        _mm256_store_ps(alpha, a);
+        /* O_i = alpha_i O_i + sum_key P^T[key][i] V[key], two queries and 32 dims at a time */
+        const float *v = vf + 8 * c * D;
+        for (int i = 0; i < 8; i += 2)
+            for (int64_t d = 0; d < D; d += 32) {
+                __m256 acc[2][4];
+                for (int r = 0; r < 2; r++)
+                    for (int j = 0; j < 4; j++)
+                        acc[r][j] = _mm256_mul_ps(_mm256_loadu_ps(o[i + r] + d + 8 * j),
+                                                  _mm256_broadcast_ss(alpha + i + r));
+                for (int key = 0; key < 8; key++) {
+                    const __m256 pk[2] = {_mm256_broadcast_ss(pt[key] + i),
+                                          _mm256_broadcast_ss(pt[key] + i + 1)};
+                    for (int j = 0; j < 4; j++) {
+                        const __m256 vk = _mm256_loadu_ps(v + key * D + d + 8 * j);
+                        for (int r = 0; r < 2; r++)
+                            acc[r][j] = _mm256_fmadd_ps(vk, pk[r], acc[r][j]);
+                    }
+                }
+                for (int r = 0; r < 2; r++)
+                    for (int j = 0; j < 4; j++)
+                        _mm256_storeu_ps(o[i + r] + d + 8 * j, acc[r][j]);
+            }
+    }
+    __attribute__((aligned(32))) float inv_l[8];
+    _mm256_store_ps(inv_l, _mm256_div_ps(_mm256_set1_ps(1.f), l));
+    for (int64_t i = 0; i < rows; i++) {
+        uint16_t *row = out + (q0 + i) * out_stride + hq * D;
+        for (int64_t d = 0; d < D; d += 8)
+            store_bf16_8(row + d, _mm256_mul_ps(_mm256_loadu_ps(o[i] + d), _mm256_set1_ps(inv_l[i])));
+    }
+}
+
+#endif
+
+/* Bytes of scratch a call needs: its packed V (tiles), or its widened K and V (vectors). */
+int64_t paged_prefill_scratch_bytes(int64_t ctx, int64_t Hkv, int64_t D)
+{
+#ifdef VECTOR_PREFILL
+    return Hkv * keys_padded(ctx) * D * 4 * 2;
+#else
+    return Hkv * ((ctx + KC - 1) / KC) * D * KC * 2;
+#endif
+}
+
+/* How this build runs the kernel: 1 on AMX tiles (where Linux lets this process use them), 2 in
+ * AVX2 vectors (on CPUs without AVX-512), 0 not at all. */
 int64_t paged_prefill_available(void)
 {
 #ifdef HAVE_AMX
     return amx_granted();
+#elif defined(VECTOR_PREFILL)
+    return 2;
 #else
     return 0;
 #endif
@@ -335,6 +500,25 @@ void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_c
                         hq, tile * QT, scale, out, out_stride);
         }
         _tile_release();
+    }
+#elif defined(VECTOR_PREFILL)
+    const int64_t keys = keys_padded(ctx), items = (n + 7) / 8;
+    float *kt = (float *)scratch, *vf = kt + Hkv * keys * D;
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t hc = 0; hc < Hkv * (keys / 8); hc++) {
+            const int64_t h = hc / (keys / 8);
+            widen_chunk(k_cache, v_cache, blocks, block_size, ctx, Hkv, D, h, hc % (keys / 8),
+                        kt + h * keys * D, vf + h * keys * D);
+        }
+        /* the last queries see the most keys: hand them out first */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < Hq * items; item++) {
+            const int64_t tile = items - 1 - item / Hq, hq = item % Hq, h = hq / (Hq / Hkv);
+            attend_queries(q, q_stride, kt + h * keys * D, vf + h * keys * D, n, ctx, D, hq,
+                           tile * 8, scale, out, out_stride);
+        }
     }
 #else
     (void)q, (void)q_stride, (void)k_cache, (void)v_cache, (void)blocks, (void)block_size;

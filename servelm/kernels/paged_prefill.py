@@ -1,4 +1,4 @@
-"""The CPU prefill attention of `paged_prefill.c` (AMX tiles), called on torch tensors.
+"""The CPU prefill attention of `paged_prefill.c` (AMX tiles, or AVX2), called on torch tensors.
 
     kernel = PagedPrefillKernel.load(torch.bfloat16, head_dim=64, block_size=16)  # None: SDPA
     kernel(q, k_cache, v_cache, blocks, context_len, scale, out)
@@ -27,10 +27,12 @@ _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
 _ARGTYPES = [_ptr, _i64, _ptr, _ptr, _ptr] + [_i64] * 6 + [ctypes.c_float, _ptr, _i64, _ptr]
 
 
-class PagedPrefillKernel:
-    name = "paged_prefill_bf16 (AMX)"
+PATHS = {1: "AMX", 2: "AVX2"}  # paged_prefill_available()'s answers
 
-    def __init__(self, lib: ctypes.CDLL, head_dim: int) -> None:
+
+class PagedPrefillKernel:
+    def __init__(self, lib: ctypes.CDLL, head_dim: int, path: int) -> None:
+        self.name = f"paged_prefill_bf16 ({PATHS[path]})"
         self.fn = lib.paged_prefill_bf16
         self.fn.argtypes, self.fn.restype = _ARGTYPES, None
         self.scratch_bytes = lib.paged_prefill_scratch_bytes
@@ -44,15 +46,16 @@ class PagedPrefillKernel:
     ) -> PagedPrefillKernel | None:
         """The kernel, or None where there is none: not bfloat16, a head size that is not a
         multiple of 32 up to 256, blocks not a multiple of 16 tokens, no C compiler, or a CPU
-        (or kernel) without AMX tiles. `extra_flags`: for the compiler (tests build it
-        without AMX this way)."""
+        (or kernel) with neither AMX tiles nor AVX2 (the vector path is for CPUs without
+        AVX-512). `extra_flags`: for the compiler (tests build it without AMX this way)."""
         if dtype != torch.bfloat16 or head_dim % 32 or head_dim > 256 or block_size % 16:
             return None
         lib = load_library(SOURCE, extra_flags)
         if lib is None:
             return None
         lib.paged_prefill_available.restype = _i64
-        return cls(lib, head_dim) if lib.paged_prefill_available() else None
+        path = lib.paged_prefill_available()
+        return cls(lib, head_dim, path) if path else None
 
     def __call__(
         self,

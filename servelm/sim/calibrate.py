@@ -15,7 +15,8 @@ time over the rounds, since on a shared machine noise only ever adds time, and s
 shape's samples over rounds keeps one burst of noise from spoiling all of them. Shapes
 alternate between a fitting set and a held-out set (interleaved in time, so machine noise hits
 both alike); the profile is fitted on the first and judged on the second.
-Prompts are random ids so the prefix cache never shortens a prefill.
+A prefill shape's prompts are random ids, so the prefix cache never shortens it; a decode
+shape's prompts are the same in every round, so that after the first the cache computes them.
 """
 
 from __future__ import annotations
@@ -118,10 +119,10 @@ class _Bench:
         self.recorder = StepRecorder(engine.executor)
         engine.executor = self.recorder
 
-    def _add(self, prompt_len: int, max_tokens: int) -> str:
+    def _add(self, prompt_len: int, max_tokens: int, rng: random.Random | None = None) -> str:
         self.count += 1
         rid = f"calib-{self.count}"
-        ids = [self.rng.randrange(3, self.vocab_size) for _ in range(prompt_len)]
+        ids = [(rng or self.rng).randrange(3, self.vocab_size) for _ in range(prompt_len)]
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
         self.engine.add_request(Request(rid, ids, params))
         return rid
@@ -143,7 +144,12 @@ class _Bench:
         return TimedStep(step, seconds, f"prefill {tokens}")
 
     def decode(self, batch: int, context: int, steps: int = 4) -> TimedStep:
-        rids = [self._add(context, max_tokens=10_000) for _ in range(batch)]
+        # The same prompts in every round: after the first, the prefix cache computes them
+        # (untimed, and on a slow CPU most of a round's time) almost for free.
+        rids = [
+            self._add(context, 10_000, random.Random(f"{batch} {context} {i}"))
+            for i in range(batch)
+        ]
         scheduler = self.engine.scheduler
         while scheduler.waiting or any(
             r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running
@@ -179,7 +185,7 @@ def calibrate(
 
     Every shape is timed once per round (fit and held-out shapes interleaved) and keeps its
     fastest time over the rounds; a new round starts only while `budget_s` (model loading and
-    warm-up excluded) looks enough for it. The first round always completes.
+    warm-up excluded) has room for one as long as the last. The first round always completes.
 
     `clock="wall"` (the default) times a step by wall time: what a server's step takes on
     this machine, OpenMP threads waiting for each other included. `clock="cpu"` uses the
@@ -204,16 +210,17 @@ def calibrate(
     plan = _interleave(fit_plan, held_plan)
     best: dict[int, TimedStep] = {}
     t0 = time.perf_counter()
-    done = 0
+    done, last_round = 0, 0.0
     while done < rounds:
-        elapsed = time.perf_counter() - t0
-        if done and elapsed * (done + 1) / done > budget_s:
-            break  # another round of the same length would overrun the budget
+        started = time.perf_counter()
+        if done and started - t0 + last_round > budget_s:
+            break  # another round as long as the last would overrun the budget
         done += 1
         for i, (shape_, _) in enumerate(plan):
             point = bench.run(shape_)
             if i not in best or point.seconds < best[i].seconds:
                 best[i] = point
+        last_round = time.perf_counter() - started  # the first is the longest (cold cache)
     llm.engine.check_integrity()
     fitted = [best[i] for i, (_, fit) in enumerate(plan) if fit]
     held = [best[i] for i, (_, fit) in enumerate(plan) if not fit]

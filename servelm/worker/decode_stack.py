@@ -3,8 +3,9 @@
     stack = DecodeStack.build(model, attn)    # None unless every piece of a layer is in C
     hidden = stack(input_ids, positions)      # None: this step is not one it takes
 
-It takes decode steps of at most `max_rows` tokens (the steps whose matmuls read the int4
-weights: all of them on a CPU with AMX tiles) and, where the C prefill attention runs (AMX),
+It takes steps of at most `max_rows` tokens (the steps whose matmuls read the int4 weights in
+C: all of them on a CPU with AMX tiles, up to 191 on an AVX2-only CPU, whose wider steps
+multiply in float32): decode steps and, where the C prefill attention runs (AMX, or AVX2),
 prompt and mixed steps too, and returns what `model(input_ids, positions, attn)` returns for
 them, bit for bit: the C loop calls the very kernels the Python layers call, in the same order,
 and only leaves out the Python between them (a batch-1 step of the default model on this
@@ -156,6 +157,8 @@ class DecodeStack:
             _address(decode.fn),
             _address(attn.prefill_kernel.fn) if attn.prefill_kernel is not None else None,
         )
+        if quant.sgemm_min_rows:  # steps that wide multiply in float32 (QuantMatmul.q4)
+            max_rows.append(quant.sgemm_min_rows - 1)
         return cls(fn, model, attn, kernels, layers, min(max_rows))
 
     @property

@@ -205,7 +205,7 @@ class ModelRunner:
             rows = self.decode_stack_max_tokens
             steps = "decode steps" if rows == ALL_ROWS else f"decode steps of <= {rows} tokens"
             if self.decode_stack.takes_prompts:
-                steps = "every step" if rows == ALL_ROWS else f"prompt steps and {steps}"
+                steps = "every step" if rows == ALL_ROWS else f"steps of <= {rows} tokens"
             summary += f"; {steps}: all layers in one C call"
         return summary
 

@@ -1,8 +1,10 @@
-"""The AMX prefill-attention kernel against a float64 reference and torch's SDPA path."""
+"""The prefill-attention kernel (AMX tiles, or AVX2 vectors on CPUs without AVX-512) against a
+float64 reference and torch's SDPA path."""
 
 from __future__ import annotations
 
 import platform
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,11 +14,12 @@ from servelm.worker.attention import TorchPagedAttention
 from tests.kernels.amx import amx_expected
 from tests.kernels.test_paged_decode import scattered_tables
 
-needs_amx = pytest.mark.skipif(
+needs_kernel = pytest.mark.skipif(
     PagedPrefillKernel.load(torch.bfloat16, 64, 16) is None,
-    reason="no C compiler, or a CPU without AMX tiles",
+    reason="no C compiler, or a CPU with neither AMX tiles nor AVX2 without AVX-512",
 )
-TOLERANCE = 1.6e-2  # the bf16 output's own rounding (~1e-2 at |x| ~ 2) plus P rounded to bf16
+# the bf16 output's own rounding (~1e-2 at |x| ~ 2) plus, on tiles, P rounded to bf16
+TOLERANCE = 1.6e-2
 
 
 def reference(q, k_cache, v_cache, table, block, ctx, scale):
@@ -37,7 +40,7 @@ def run_kernel(kernel, q, caches, table, block, ctx, scale):
     return kernel(q, caches[0], caches[1], blocks, block, ctx, scale, out)
 
 
-@needs_amx
+@needs_kernel
 @pytest.mark.parametrize(
     "d,hq,hkv,block", [(64, 9, 3, 16), (128, 8, 2, 16), (32, 6, 2, 32), (64, 4, 4, 32)]
 )
@@ -63,7 +66,7 @@ def test_prefill_matches_reference(d, hq, hkv, block):
         assert err < TOLERANCE, (n, ctx, err)
 
 
-@needs_amx
+@needs_kernel
 def test_slots_past_the_context_are_never_read():
     # The last block's slots past the context hold poison (a reused block's old rows, here
     # NaN): keys there are masked, values there packed as zeros, so the output stays finite.
@@ -81,7 +84,7 @@ def test_slots_past_the_context_are_never_read():
     assert (got.double() - want).abs().max().item() < TOLERANCE
 
 
-@needs_amx
+@needs_kernel
 def test_attention_layer_with_and_without_the_kernel_agree():
     # One step mixing a decode, a chunk after 50 cached tokens and a fresh 21-token prompt,
     # through TorchPagedAttention with the kernel and with SDPA + masks: the same outputs.
@@ -111,7 +114,7 @@ def test_load_declines_what_it_cannot_run():
     assert PagedPrefillKernel.load(torch.bfloat16, 64, 8) is None  # half a key tile per block
 
 
-@needs_amx
+@needs_kernel
 def test_bad_shapes_are_refused():
     kernel = PagedPrefillKernel.load(torch.bfloat16, 64, 16)
     cache = torch.zeros(64, 3, 64, dtype=torch.bfloat16)
@@ -130,10 +133,16 @@ def test_bad_shapes_are_refused():
             kernel(*bad)
 
 
-def test_the_kernel_is_there_wherever_the_cpu_has_amx():
-    # The other tests skip without the kernel; this one fails if an AMX machine lost it (a
-    # build that broke would otherwise send every prefill back to SDPA without a word).
+def test_the_kernel_is_there_wherever_the_cpu_has_amx_or_only_avx2():
+    # The other tests skip without the kernel; this one fails if a machine that should have it
+    # lost it (a build that broke would otherwise send every prefill back to SDPA without a word).
     has_amx = amx_expected()
-    assert (PagedPrefillKernel.load(torch.bfloat16, 64, 16) is not None) == has_amx
-    if platform.machine() in ("x86_64", "AMD64"):  # a build without the tile unit declines
-        assert PagedPrefillKernel.load(torch.bfloat16, 64, 16, ("-mno-amx-tile",)) is None
+    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+    avx2_only = "avx2" in flags and "fma" in flags and "avx512f" not in flags
+    kernel = PagedPrefillKernel.load(torch.bfloat16, 64, 16)
+    assert (kernel.name if kernel else None) == (
+        "paged_prefill_bf16 (AMX)" if has_amx else "paged_prefill_bf16 (AVX2)" if avx2_only else None
+    )
+    if platform.machine() in ("x86_64", "AMD64"):  # builds for neither path decline
+        plain = ("-mno-amx-tile", "-mno-avx2")
+        assert PagedPrefillKernel.load(torch.bfloat16, 64, 16, plain) is None

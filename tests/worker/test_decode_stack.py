@@ -15,10 +15,14 @@ from servelm.model.layers.linear import ALL_ROWS, c_int4_max_rows
 from tests.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="the C kernels need a C compiler")
-# decode steps of up to this many tokens take the stack here (all with AMX tiles, else 16)
-MAX_ROWS = c_int4_max_rows(QuantMatmul.load()) if compiler() is not None else 0
-# batches the stack takes; and, where there is a cut, one over it
-BATCHES = [1, 3, 9, 40] if MAX_ROWS == ALL_ROWS else [1, 3, 9, MAX_ROWS, MAX_ROWS + 3]
+KERNEL = QuantMatmul.load() if compiler() is not None else None
+# steps of up to this many tokens take the stack here: all with AMX tiles, 16 with AVX-512
+# alone, 191 with AVX2 alone (wider steps multiply in float32)
+MAX_ROWS = 0
+if KERNEL is not None:
+    MAX_ROWS = min(c_int4_max_rows(KERNEL), (KERNEL.sgemm_min_rows or ALL_ROWS + 1) - 1)
+# batches the stack takes; and, where the cut is low, one over it
+BATCHES = [1, 3, 9, 40] if MAX_ROWS > 40 else [1, 3, 9, MAX_ROWS, MAX_ROWS + 3]
 
 
 def int4_llm(model_dir, **kw) -> LLM:
@@ -112,9 +116,9 @@ def test_prompt_and_mixed_steps_give_the_python_layers_hidden_states_bit_for_bit
     runner = llm32.engine.executor
     if runner.attn.prefill_kernel is None:
         assert not runner.decode_stack.takes_prompts
-        pytest.skip("no C prefill attention on this CPU (no AMX): prompts take the Python path")
+        pytest.skip("no C prefill attention on this CPU: prompts take the Python path")
     assert runner.decode_stack.takes_prompts
-    steps = "every step" if MAX_ROWS == ALL_ROWS else "prompt steps and decode steps of"
+    steps = "every step" if MAX_ROWS == ALL_ROWS else f"steps of <= {MAX_ROWS} tokens"
     assert f"; {steps}" in runner.kernel_summary
     # (cached, new, blocks): decodes before, between and after two prompt chunks, one of
     # them after 20 cached tokens, the other a fresh prompt of 37
