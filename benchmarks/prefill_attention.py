@@ -1,4 +1,4 @@
-"""Prefill attention per layer: servelm's AMX kernel against torch's SDPA path, side by side.
+"""Prefill attention per layer: servelm's C kernel (AMX tiles, or AVX2) against torch's SDPA path, side by side.
 
     .venv/bin/python benchmarks/prefill_attention.py [--repeat 100]
 
