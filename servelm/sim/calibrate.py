@@ -259,9 +259,7 @@ def calibrate_from_trace(
     name = f"cpu fitted on {shape.name} (server trace)"
     # Least squares on seconds: a simulated run's time is the sum of its steps, so the many
     # short decode steps and the few long prefills should add up to what was traced.
-    return _fit(
-        fitted, held, cost, name, str(model_dir), report, t0, False, dict(engines.pop())
-    )
+    return _fit(fitted, held, cost, name, str(model_dir), report, t0, False, dict(engines.pop()))
 
 
 def _paths(engine: dict[str, Any]) -> dict[str, int]:

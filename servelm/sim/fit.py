@@ -95,7 +95,9 @@ def fit_profile(
     for p in points:
         s = p.step
         paths[
-            step_path(s.prefill_tokens, s.decode_tokens, decode_stack_max_tokens, wide_step_min_tokens)
+            step_path(
+                s.prefill_tokens, s.decode_tokens, decode_stack_max_tokens, wide_step_min_tokens
+            )
         ].append(p)
     if len(paths["wide"]) < 4:
         paths["layers"] += paths.pop("wide")

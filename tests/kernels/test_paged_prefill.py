@@ -141,7 +141,11 @@ def test_the_kernel_is_there_wherever_the_cpu_has_amx_or_only_avx2():
     avx2_only = "avx2" in flags and "fma" in flags and "avx512f" not in flags
     kernel = PagedPrefillKernel.load(torch.bfloat16, 64, 16)
     assert (kernel.name if kernel else None) == (
-        "paged_prefill_bf16 (AMX)" if has_amx else "paged_prefill_bf16 (AVX2)" if avx2_only else None
+        "paged_prefill_bf16 (AMX)"
+        if has_amx
+        else "paged_prefill_bf16 (AVX2)"
+        if avx2_only
+        else None
     )
     if platform.machine() in ("x86_64", "AMD64"):  # builds for neither path decline
         plain = ("-mno-amx-tile", "-mno-avx2")
