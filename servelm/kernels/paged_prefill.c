@@ -294,16 +294,19 @@ static void attend_tile(const uint16_t *q, int64_t q_stride, const uint16_t *k_c
 #define VECTOR_PREFILL 1
 
 /* Without tiles (an AVX2-only CPU), in float32 FMAs. The context's K and V are widened once per
- * call into `scratch`: K^T in chunks of 8 keys (kt [Hkv][keys / 8][D][8], keys rounded up to 16,
- * zeros past ctx) and V as rows (vf [Hkv][keys][D]). Each item is one query head and a tile of
- * QV queries, over the keys in chunks of 16 with q_i at position ctx - n + i:
+ * call into `scratch`: K^T in chunks of 8 keys (kt [Hkv][keys / 8][D][8], keys rounded up to 8,
+ * zeros past ctx) and V as rows (vf [Hkv][keys][D]). Each task is one query head and 8 queries,
+ * over the keys in chunks of 8, with q_i at position ctx - n + i:
  *
- *   s_i[key] = q_i . K[key] * scale         lanes = keys, q_i broadcast, 8 chains of FMAs
- *   online softmax per query (float32): running max m_i, sum l_i, p_i = e^(s_i - m_i)
- *   O_i = alpha_i O_i + sum_key p_i[key] V[key]        lanes = dims, p_i broadcast
- *   out[i] = O_i / l_i                               keys > position masked
+ *   s_i = q_i . K[chunk] * scale      lanes = the 8 keys, q_i broadcast: 8 chains of FMAs
+ *   s transposed 8 x 8                lanes = the 8 queries from here on
+ *   online softmax (float32): running max m, sum l; p = e^(s - m), keys > position masked
+ *   O_i = alpha_i O_i + sum_key p[key][i] V[key]      lanes = dims, p broadcast
+ *   out_i = O_i / l_i
  *
- * P stays in float32 (torch's flash attention rounds it to bf16; the output is rounded once). */
+ * With lanes = queries the softmax needs no horizontal reductions and no scalar exp (with lanes
+ * = keys it cost more than either product). P stays in float32 (torch's flash attention rounds
+ * it to bf16); the output is rounded once. */
 INLINE int64_t keys_padded(int64_t ctx) { return (ctx + 7) / 8 * 8; }
 
 /* 8 x 8 float32 transposed in place: r[j] lane i <- r[i] lane j */
@@ -350,20 +353,6 @@ static void widen_chunk(const uint16_t *k_cache, const uint16_t *v_cache, const 
     }
 }
 
-INLINE float hmax8(__m256 v)
-{
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-
-INLINE float hsum8(__m256 v)
-{
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
 /* 8 queries of one head (q0 ..; rows of them real) over the widened context: see above. */
 static void attend_queries(const uint16_t *q, int64_t q_stride, const float *kt, const float *vf,
                            int64_t n, int64_t ctx, int64_t D, int64_t hq, int64_t q0,
@@ -383,7 +372,9 @@ static void attend_queries(const uint16_t *q, int64_t q_stride, const float *kt,
         }
         pos_lanes[i] = (int32_t)(first_pos + row);
     }
-    const __m256i pos = _mm256_loadu_si256((const __m256i *)pos_lanes);
+    /* key t is seen by query i where t < pos_i + 1 */
+    const __m256i past = _mm256_add_epi32(_mm256_loadu_si256((const __m256i *)pos_lanes),
+                                          _mm256_set1_epi32(1));
     __m256 m = _mm256_set1_ps(-INFINITY), l = _mm256_setzero_ps(); /* lanes: queries */
     for (int64_t c = 0; c < chunks; c++) {
         /* s[i] lanes = the chunk's 8 keys, for query i; then transposed: s[key] lanes = queries */
@@ -401,7 +392,7 @@ static void attend_queries(const uint16_t *q, int64_t q_stride, const float *kt,
         __m256 keep[8], top = _mm256_set1_ps(-INFINITY);
         for (int j = 0; j < 8; j++) {
             const __m256i key = _mm256_set1_epi32((int)(8 * c + j));
-            keep[j] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_add_epi32(pos, _mm256_set1_epi32(1)), key));
+            keep[j] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(past, key));
             top = _mm256_max_ps(top, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s[j], keep[j]));
         }
         /* key 0 is in chunk 0, so m_new is finite; alpha is (about) 0 there */

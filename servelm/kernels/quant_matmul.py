@@ -14,6 +14,7 @@ blocks of 16, one vector lane per row (see the C file).
 from __future__ import annotations
 
 import ctypes
+import sys
 from pathlib import Path
 
 import torch
@@ -60,6 +61,11 @@ class QuantMatmul:
         # without tiles, q4 of this many rows or more goes to torch's float32 matmul
         self.sgemm_min_rows = 0 if self.tile_min_rows else SGEMM_MIN_ROWS
         self._scratch = torch.empty(0)
+
+    @property
+    def c_max_rows(self) -> int:
+        """Rows of x up to which q4 runs in C; from `sgemm_min_rows` it calls torch."""
+        return self.sgemm_min_rows - 1 if self.sgemm_min_rows else sys.maxsize
 
     @classmethod
     def load(cls, extra_flags: tuple[str, ...] = ()) -> QuantMatmul | None:

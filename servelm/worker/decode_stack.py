@@ -157,8 +157,7 @@ class DecodeStack:
             _address(decode.fn),
             _address(attn.prefill_kernel.fn) if attn.prefill_kernel is not None else None,
         )
-        if quant.sgemm_min_rows:  # steps that wide multiply in float32 (QuantMatmul.q4)
-            max_rows.append(quant.sgemm_min_rows - 1)
+        max_rows.append(quant.c_max_rows)  # wider steps multiply in float32 (QuantMatmul.q4)
         return cls(fn, model, attn, kernels, layers, min(max_rows))
 
     @property

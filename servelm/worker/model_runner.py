@@ -171,11 +171,7 @@ class ModelRunner:
         """Steps of at least this many tokens run their int4 matmuls through float32 copies of
         the weights and torch's float32 matmul (`QuantMatmul.sgemm_min_rows`; 0: none do)."""
         kernel = self.quant_kernel
-        if (
-            kernel is None
-            or not self.int4_layers
-            or c_int4_max_rows(kernel) < kernel.sgemm_min_rows
-        ):
+        if kernel is None or not self.int4_layers or c_int4_max_rows(kernel) <= kernel.c_max_rows:
             return 0  # (with oneDNN's bf16 matmul, such steps never reach the C kernel)
         return kernel.sgemm_min_rows
 

@@ -18,9 +18,7 @@ pytestmark = pytest.mark.skipif(compiler() is None, reason="the C kernels need a
 KERNEL = QuantMatmul.load() if compiler() is not None else None
 # steps of up to this many tokens take the stack here: all with AMX tiles, 16 with AVX-512
 # alone, 191 with AVX2 alone (wider steps multiply in float32)
-MAX_ROWS = 0
-if KERNEL is not None:
-    MAX_ROWS = min(c_int4_max_rows(KERNEL), (KERNEL.sgemm_min_rows or ALL_ROWS + 1) - 1)
+MAX_ROWS = min(c_int4_max_rows(KERNEL), KERNEL.c_max_rows) if KERNEL is not None else 0
 # batches the stack takes; and, where the cut is low, one over it
 BATCHES = [1, 3, 9, 40] if MAX_ROWS > 40 else [1, 3, 9, MAX_ROWS, MAX_ROWS + 3]
 
