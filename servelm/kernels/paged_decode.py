@@ -38,17 +38,26 @@ class PagedDecodeKernel:
         self.head_dim = head_dim
 
     @classmethod
-    def load(cls, dtype: torch.dtype, head_dim: int) -> PagedDecodeKernel | None:
+    def load(
+        cls, dtype: torch.dtype, head_dim: int, extra_flags: tuple[str, ...] = ()
+    ) -> PagedDecodeKernel | None:
         """The kernel for this cache dtype and head size, or None where there is none (other
-        dtypes or head sizes, or no C compiler on this machine)."""
+        dtypes or head sizes, or no C compiler on this machine). Its name says "(AVX2)" where
+        bfloat16 caches take the vector path (CPUs with AVX2 and without AVX-512; models with
+        more than 8 query heads per KV head still take the generic loops). `extra_flags`: for
+        the compiler (tests build it without AVX2 this way)."""
         if dtype not in _TYPES or head_dim not in _HEAD_DIMS:
             return None
-        lib = load_library(SOURCE)
+        lib = load_library(SOURCE, extra_flags)
         if lib is None:
             return None
         fn = getattr(lib, f"paged_decode_{_TYPES[dtype]}_d{head_dim}")
         fn.argtypes, fn.restype = _ARGTYPES, None
-        return cls(fn, dtype, head_dim)
+        kernel = cls(fn, dtype, head_dim)
+        lib.paged_decode_vector_path.restype = _i64
+        if dtype == torch.bfloat16 and head_dim % 32 == 0 and lib.paged_decode_vector_path():
+            kernel.name += " (AVX2)"
+        return kernel
 
     def __call__(
         self,

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import platform
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -95,6 +97,50 @@ def test_decode_rows_of_a_mixed_step_match_sdpa():
         assert not attn.meta.all_decode
         outs.append(attn(0, q, k, v))
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+
+
+def avx2_only() -> bool:
+    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+    return "avx2" in flags and "fma" in flags and "avx512f" not in flags
+
+
+@needs_compiler
+def test_the_vector_path_is_there_on_cpus_with_avx2_and_no_avx512():
+    # A build that lost it would send every decode step back to the generic loops unnoticed.
+    kernel = PagedDecodeKernel.load(torch.bfloat16, 64)
+    assert kernel.name.endswith("(AVX2)") == avx2_only()
+    assert not PagedDecodeKernel.load(torch.float32, 64).name.endswith("(AVX2)")
+    assert not PagedDecodeKernel.load(torch.bfloat16, 16).name.endswith("(AVX2)")  # D % 32
+    if platform.machine() in ("x86_64", "AMD64"):
+        plain = PagedDecodeKernel.load(torch.bfloat16, 64, ("-mno-avx2",))
+        assert plain.name == "paged_decode_bf16_d64"
+
+
+@needs_compiler
+@pytest.mark.skipif(not avx2_only(), reason="the vector path is for CPUs with AVX2, no AVX-512")
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 8, 9])  # 9: more than the path takes
+@pytest.mark.parametrize("d,hkv", [(64, 3), (128, 2), (32, 1)])
+@pytest.mark.parametrize("batch", [1, 5])  # one sequence: its heads split between threads
+def test_the_vector_path_matches_the_reference_and_the_generic_loops(group, d, hkv, batch):
+    # Lengths: one token, short and partial groups of 8 keys, a whole block, many blocks.
+    lens = [1, 7, 9, 16, 300][:batch] if batch > 1 else [137]
+    hq, num_blocks, scale = group * hkv, 40, d**-0.5
+    tables = scattered_tables(lens, num_blocks, seed=group)
+    g = torch.Generator().manual_seed(group)
+    q = torch.randn(len(lens), hq, d, generator=g).bfloat16()
+    k_cache, v_cache = make_cache(num_blocks, hkv, d, torch.bfloat16, seed=group)[0]
+    block_tables = torch.zeros(len(lens), max(map(len, tables)), dtype=torch.long)
+    for b, table in enumerate(tables):
+        block_tables[b, : len(table)] = torch.tensor(table)
+    context = torch.tensor(lens, dtype=torch.long)
+    args = (q, None, None, k_cache, v_cache, None, block_tables, BLOCK, context, max(lens), scale)
+    vector = PagedDecodeKernel.load(torch.bfloat16, d)
+    generic = PagedDecodeKernel.load(torch.bfloat16, d, ("-mno-avx2",))
+    out, plain = vector(*args), generic(*args)
+    want = reference(q, k_cache, v_cache, tables, lens, scale)
+    torch.testing.assert_close(out.double(), want, atol=1e-2, rtol=1e-2)
+    # The same sums in another order: at most a bfloat16 rounding step apart.
+    torch.testing.assert_close(out.float(), plain.float(), atol=1e-2, rtol=1e-2)
 
 
 def test_no_kernel_for_other_dtypes_or_head_sizes():
