@@ -209,7 +209,6 @@ INLINE void block_scores(const float *qf, const uint16_t *k, const uint16_t *nex
 {
     for (int64_t i = 0; i < n; i += 8) {
         __m256 part[8][8];
-#pragma GCC unroll 8
         for (int j = 0; j < 8; j++) {
             const uint16_t *kj = k + (i + j < n ? i + j : n - 1) * row;
             if (next)
@@ -304,11 +303,12 @@ INLINE void attend_heads(const uint16_t *q, const uint16_t *k_cache, const uint1
         store_row(out, 1, first + i * D, acc + i * D, 1.f / total[i], D);
 }
 
-/* attend_heads with G a constant */
-INLINE void attend_heads_g(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+/* attend_heads with G a constant (D is not: one copy of each, not one per exported head size,
+ * keeps the build at seconds) */
+__attribute__((noinline, noclone)) static void attend_heads_g(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
                            const int64_t *table, int64_t len, int64_t block_size, int64_t row,
                            int64_t h0, int64_t nh, float scale, uint16_t *out, float *scores,
-                           float *qf, float *acc, float *total, int64_t G, const int D)
+                           float *qf, float *acc, float *total, int64_t G, int D)
 {
     switch (G) {
 #define CASE(G_)                                                                               \
@@ -325,7 +325,7 @@ INLINE void attend_heads_g(const uint16_t *q, const uint16_t *k_cache, const uin
 INLINE void attend_heads_g(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
                            const int64_t *table, int64_t len, int64_t block_size, int64_t row,
                            int64_t h0, int64_t nh, float scale, uint16_t *out, float *scores,
-                           float *qf, float *acc, float *total, int64_t G, const int D)
+                           float *qf, float *acc, float *total, int64_t G, int D)
 {
     /* not reached: VECTOR_DECODE is 0 */
 }
