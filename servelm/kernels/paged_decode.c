@@ -151,7 +151,7 @@ INLINE void attend_one_head(const void *q, int64_t q_row, const void *k_cache,
  * guess them, and one request per row spreads the requests over the block instead of queueing
  * them all at its start. 16 sequences of 300 tokens through 30 layers' caches (a C harness,
  * 2-core AMD EPYC): 24-33 ms with the generic loops, 13 ms with these (reading the same rows
- * alone: 7-9 ms); with the caches in L3, 13.4-13.9 against 5.8 ms. In the engine a decode step
+ * alone: 7-9 ms); with the caches in L3, 13.4-13.9 against 6-7 ms. In the engine a decode step
  * of 16 requests at 300 tokens went from 80-81 to 72-75 ms, of 8 at 1,050 from 61-77 to 49-66. */
 #define VECTOR_DECODE 1
 
@@ -305,10 +305,11 @@ INLINE void attend_heads(const uint16_t *q, const uint16_t *k_cache, const uint1
 
 /* attend_heads with G a constant (D is not: one copy of each, not one per exported head size,
  * keeps the build at seconds) */
-__attribute__((noinline, noclone)) static void attend_heads_g(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
-                           const int64_t *table, int64_t len, int64_t block_size, int64_t row,
-                           int64_t h0, int64_t nh, float scale, uint16_t *out, float *scores,
-                           float *qf, float *acc, float *total, int64_t G, int D)
+__attribute__((noinline, noclone)) static void
+attend_heads_g(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+               const int64_t *table, int64_t len, int64_t block_size, int64_t row, int64_t h0,
+               int64_t nh, float scale, uint16_t *out, float *scores, float *qf, float *acc,
+               float *total, int64_t G, int D)
 {
     switch (G) {
 #define CASE(G_)                                                                               \
@@ -347,7 +348,8 @@ INLINE void attend_heads_g(const uint16_t *q, const uint16_t *k_cache, const uin
             store_new_tokens(k, k_stride, v, v_stride, k_cache, v_cache, slots, B, Hkv,        \
                              BF16 ? 2 : 4, D);                                                 \
         if (VECTOR_DECODE && BF16 && D % 32 == 0 && G <= 8) {                                  \
-            const int64_t per = B >= 2 ? Hkv : 1, tasks = B * (Hkv / per); /* heads per task */ \
+            const int64_t per = B >= 2 ? Hkv : 1; /* KV heads per task */                \
+            const int64_t tasks = B * (Hkv / per);                                             \
             _Pragma("omp parallel if (tasks > 1 && B * max_len >= 128)")                       \
             {                                                                                  \
                 float *scores = malloc(sizeof(float) * per * G * (max_len + 2 * D + 1));        \
