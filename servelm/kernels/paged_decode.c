@@ -267,6 +267,20 @@ INLINE void block_values(const float *p, int64_t len, const uint16_t *v, const u
     }
 }
 
+/* rows of the block starting at token `start` (a short last block has fewer) */
+INLINE int64_t block_rows(int64_t len, int64_t start, int64_t block_size)
+{
+    return len - start < block_size ? len - start : block_size;
+}
+
+/* block i of a sequence's table in `cache`, `offset` elements in (its first head's rows); NULL
+ * past the last of its `blocks` */
+INLINE const uint16_t *block_at(const uint16_t *cache, const int64_t *table, int64_t i,
+                                int64_t blocks, int64_t span, int64_t offset)
+{
+    return i < blocks ? cache + table[i] * span + offset : NULL;
+}
+
 /* KV heads h0 .. h0 + nh - 1 of one sequence (q, out: its rows) over its context. scores:
  * nh * G * len floats; qf, acc: nh * G * D each; total: nh * G. */
 INLINE void attend_heads(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
@@ -281,20 +295,18 @@ INLINE void attend_heads(const uint16_t *q, const uint16_t *k_cache, const uint1
     }
     const int64_t blocks = (len + block_size - 1) / block_size, span = block_size * row;
     for (int64_t i = 0; i < blocks; i++) {
-        const int64_t start = i * block_size;
-        const int64_t n = len - start < block_size ? len - start : block_size;
-        const uint16_t *k = k_cache + table[i] * span + h0 * D;
-        const uint16_t *next = i + 1 < blocks ? k_cache + table[i + 1] * span + h0 * D : NULL;
+        const int64_t start = i * block_size, n = block_rows(len, start, block_size);
+        const uint16_t *k = block_at(k_cache, table, i, blocks, span, h0 * D);
+        const uint16_t *next = block_at(k_cache, table, i + 1, blocks, span, h0 * D);
         for (int64_t h = 0; h < nh; h++)
             block_scores(qf + h * G * D, k + h * D, next ? next + h * D : NULL, row, n,
                          scores + h * G * len + start, len, G, D);
     }
     softmax_rows8(scores, heads, len, total);
     for (int64_t i = 0; i < blocks; i++) {
-        const int64_t start = i * block_size;
-        const int64_t n = len - start < block_size ? len - start : block_size;
-        const uint16_t *v = v_cache + table[i] * span + h0 * D;
-        const uint16_t *next = i + 1 < blocks ? v_cache + table[i + 1] * span + h0 * D : NULL;
+        const int64_t start = i * block_size, n = block_rows(len, start, block_size);
+        const uint16_t *v = block_at(v_cache, table, i, blocks, span, h0 * D);
+        const uint16_t *next = block_at(v_cache, table, i + 1, blocks, span, h0 * D);
         for (int64_t h = 0; h < nh; h++)
             block_values(scores + h * G * len + start, len, v + h * D, next ? next + h * D : NULL,
                          row, n, acc + h * G * D, G, D);
