@@ -82,6 +82,19 @@ def build(source: Path, extra_flags: tuple[str, ...] = ()) -> Path | None:
     ).hexdigest()[:16]
     target = cache_dir() / f"{source.stem}-{key}.so"
     if not target.exists():
+        # What made the key, so that an unexpected rebuild can be traced to its cause (twice in
+        # session 15 a second start rebuilt a source that had not changed).
+        parts = {"source": texts[0], "headers": "\0".join(texts[1:]), "compiler": version}
+        parts["cpu flags"] = _cpu_flags()
+        logger.info(
+            "compiling %s as %s (%s; %s)",
+            source.name,
+            target.name,
+            " ".join(cc + [*CFLAGS, *extra_flags]),
+            ", ".join(
+                f"{k} {hashlib.sha256(v.encode()).hexdigest()[:8]}" for k, v in parts.items()
+            ),
+        )
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
