@@ -45,6 +45,13 @@ INLINE void store_row(void *dst, int bf16, int64_t i, const float *src, float mu
             ((float *)dst)[i + d] = src[d] * mul;
 }
 
+/* n bytes at p into the caches (a hint: never a fault) */
+INLINE void prefetch_bytes(const void *p, int64_t n)
+{
+    for (int64_t byte = 0; byte < n; byte += 64)
+        __builtin_prefetch((const char *)p + byte);
+}
+
 /* Ask the memory system for the rows of this head in the block after `start` (if any) while
  * the current block is computed: the blocks of a sequence lie anywhere in the cache, so the
  * hardware prefetcher cannot guess the next one. */
@@ -56,8 +63,7 @@ INLINE void prefetch_next_block(const void *cache, int bf16, const int64_t *tabl
         return;
     const char *p = (const char *)cache + (table[next / block_size] * block_size * row + h * D) * size;
     for (int64_t i = 0; i < block_size && next + i < len; i++)
-        for (int64_t byte = 0; byte < D * size; byte += 64)
-            __builtin_prefetch(p + i * row * size + byte);
+        prefetch_bytes(p + i * row * size, D * size);
 }
 
 /* Each of the `rows` rows of `scores` (len floats each) -> e^(s - its max), in place; their
@@ -152,15 +158,8 @@ INLINE void attend_one_head(const void *q, int64_t q_row, const void *k_cache,
  * them all at its start. 16 sequences of 300 tokens through 30 layers' caches (a C harness,
  * 2-core AMD EPYC): 24-33 ms with the generic loops, 13 ms with these (reading the same rows
  * alone: 7-9 ms); with the caches in L3, 13.4-13.9 against 6-7 ms. In the engine a decode step
- * of 16 requests at 300 tokens went from 80-81 to 72-75 ms, of 8 at 1,050 from 61-77 to 49-66. */
+ * of 16 requests at 300 tokens went from 80-81 to 72-75 ms, of 8 at 1,050 from 61-77 to 49-67. */
 #define VECTOR_DECODE 1
-
-/* the D bfloat16 of one cache row, into the caches (a hint: never a fault) */
-INLINE void prefetch_row(const uint16_t *p, const int D)
-{
-    for (int byte = 0; byte < D * 2; byte += 64)
-        __builtin_prefetch((const char *)p + byte);
-}
 
 /* softmax_rows in 8 lanes: the same max, e^(s - max) (exp_approx8) and sums */
 INLINE void softmax_rows8(float *scores, int64_t rows, int64_t len, float *total)
@@ -212,7 +211,7 @@ INLINE void block_scores(const float *qf, const uint16_t *k, const uint16_t *nex
         for (int j = 0; j < 8; j++) {
             const uint16_t *kj = k + (i + j < n ? i + j : n - 1) * row;
             if (next)
-                prefetch_row(next + (i + j) * row, D);
+                prefetch_bytes(next + (i + j) * row, D * 2);
             __m256 s[8];
             for (int g = 0; g < G; g++)
                 s[g] = _mm256_setzero_ps();
@@ -252,7 +251,7 @@ INLINE void block_values(const float *p, int64_t len, const uint16_t *v, const u
         for (int64_t i = 0; i < n; i++) {
             __m256 pg[8];
             if (next && d0 == 0)
-                prefetch_row(next + i * row, D);
+                prefetch_bytes(next + i * row, D * 2);
             for (int g = 0; g < G; g++)
                 pg[g] = _mm256_broadcast_ss(p + g * len + i);
             for (int u = 0; u < slice; u++) {
@@ -344,6 +343,13 @@ INLINE void attend_heads_g(const uint16_t *q, const uint16_t *k_cache, const uin
 }
 #endif
 
+/* Whether a call takes the AVX2 path: bfloat16 caches, D a multiple of 32, up to 8 query heads
+ * per KV head, in a build that has it */
+INLINE int vector_path(int bf16, int64_t D, int64_t G)
+{
+    return VECTOR_DECODE && bf16 && D % 32 == 0 && G <= 8;
+}
+
 /* The parallel loop is written out in each exported function (not in a shared inline one):
  * OpenMP outlines a parallel region where it is written, and only an outlined region of its
  * own sees BF16 and D as constants. Threads pay off once there are two heads and a little
@@ -359,7 +365,7 @@ INLINE void attend_heads_g(const uint16_t *q, const uint16_t *k_cache, const uin
         if (slots)                                                                             \
             store_new_tokens(k, k_stride, v, v_stride, k_cache, v_cache, slots, B, Hkv,        \
                              BF16 ? 2 : 4, D);                                                 \
-        if (VECTOR_DECODE && BF16 && D % 32 == 0 && G <= 8) {                                  \
+        if (vector_path(BF16, D, G)) {                                                         \
             const int64_t per = B >= 2 ? Hkv : 1; /* KV heads per task */                \
             const int64_t tasks = B * (Hkv / per);                                             \
             _Pragma("omp parallel if (tasks > 1 && B * max_len >= 128)")                       \
@@ -401,6 +407,6 @@ EXPORT(paged_decode_f32_d32, 0, 32)
 EXPORT(paged_decode_f32_d64, 0, 64)
 EXPORT(paged_decode_f32_d128, 0, 128)
 
-/* 1 where bfloat16 caches with a head size that is a multiple of 32 and up to 8 query heads per
- * KV head take the AVX2 path above, 0 where every call takes the generic loops */
-int64_t paged_decode_vector_path(void) { return VECTOR_DECODE; }
+/* 1 where calls with these caches (bf16: 1 for bfloat16) and head size take the AVX2 path (with
+ * up to 8 query heads per KV head), 0 where they take the generic loops */
+int64_t paged_decode_vector_path(int64_t bf16, int64_t D) { return vector_path((int)bf16, D, 1); }

@@ -54,8 +54,11 @@ class PagedDecodeKernel:
         fn = getattr(lib, f"paged_decode_{_TYPES[dtype]}_d{head_dim}")
         fn.argtypes, fn.restype = _ARGTYPES, None
         kernel = cls(fn, dtype, head_dim)
-        lib.paged_decode_vector_path.restype = _i64
-        if dtype == torch.bfloat16 and head_dim % 32 == 0 and lib.paged_decode_vector_path():
+        lib.paged_decode_vector_path.argtypes, lib.paged_decode_vector_path.restype = (
+            [_i64] * 2,
+            _i64,
+        )
+        if lib.paged_decode_vector_path(dtype == torch.bfloat16, head_dim):
             kernel.name += " (AVX2)"
         return kernel
 

@@ -1,4 +1,5 @@
-"""Whether servelm's AMX paths should be there on this machine, for the tests that check it."""
+"""Whether servelm's AMX and AVX2-only paths should be there on this machine, for the tests
+that check it."""
 
 from __future__ import annotations
 
@@ -24,3 +25,10 @@ def amx_expected() -> bool:
     if has_amx and "__AMX_BF16__" not in macros:
         pytest.skip("this CPU has AMX, but the C compiler does not target it")
     return has_amx
+
+
+def avx2_only() -> bool:
+    """True where the CPU has AVX2 and FMA but no AVX-512: where the kernels' AVX2 paths run."""
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = cpuinfo.read_text().split() if cpuinfo.exists() else []
+    return "avx2" in flags and "fma" in flags and "avx512f" not in flags

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import platform
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +12,7 @@ import torch
 from servelm.kernels.build import compiler, load_library
 from servelm.kernels.paged_decode import PagedDecodeKernel
 from servelm.worker.attention import TorchPagedAttention, build_metadata
+from tests.kernels.amx import avx2_only
 
 BLOCK = 16
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # bf16: the output's own rounding
@@ -97,11 +97,6 @@ def test_decode_rows_of_a_mixed_step_match_sdpa():
         assert not attn.meta.all_decode
         outs.append(attn(0, q, k, v))
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
-
-
-def avx2_only() -> bool:
-    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
-    return "avx2" in flags and "fma" in flags and "avx512f" not in flags
 
 
 @needs_compiler

@@ -4,14 +4,13 @@ float64 reference and torch's SDPA path."""
 from __future__ import annotations
 
 import platform
-from pathlib import Path
 
 import pytest
 import torch
 
 from servelm.kernels.paged_prefill import PagedPrefillKernel
 from servelm.worker.attention import TorchPagedAttention
-from tests.kernels.amx import amx_expected
+from tests.kernels.amx import amx_expected, avx2_only
 from tests.kernels.test_paged_decode import scattered_tables
 
 needs_kernel = pytest.mark.skipif(
@@ -137,14 +136,12 @@ def test_the_kernel_is_there_wherever_the_cpu_has_amx_or_only_avx2():
     # The other tests skip without the kernel; this one fails if a machine that should have it
     # lost it (a build that broke would otherwise send every prefill back to SDPA without a word).
     has_amx = amx_expected()
-    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
-    avx2_only = "avx2" in flags and "fma" in flags and "avx512f" not in flags
     kernel = PagedPrefillKernel.load(torch.bfloat16, 64, 16)
     assert (kernel.name if kernel else None) == (
         "paged_prefill_bf16 (AMX)"
         if has_amx
         else "paged_prefill_bf16 (AVX2)"
-        if avx2_only
+        if avx2_only()
         else None
     )
     if platform.machine() in ("x86_64", "AMD64"):  # builds for neither path decline
