@@ -20,10 +20,12 @@ from servelm.kernels.quant_matmul import GROUP, LANES, QuantMatmul
 from servelm.model import packed_cache
 from servelm.model.layers.embedding import Embedding
 from servelm.model.layers.linear import (
+    ALL_ROWS,
     INT4_LOSSLESS_STEPS,
     Int4Weight,
     Linear,
     Q8Weight,
+    c_int4_max_rows,
     can_int4,
     quantize_linears_int4,
 )
@@ -74,12 +76,17 @@ def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[Path, str, torch.Te
                 yield path, name, f.get_tensor(name)
 
 
-def load_weights(model: nn.Module, model_dir: str | Path) -> None:
-    """Fill every parameter of `model` from the checkpoint in `model_dir`, in the model's dtype."""
+def load_weights(
+    model: nn.Module, model_dir: str | Path, skip: frozenset[str] = frozenset()
+) -> None:
+    """Fill every parameter of `model` from the checkpoint in `model_dir`, in the model's dtype;
+    the parameters named in `skip` are neither read nor required."""
     packed: dict[str, tuple[str, str]] = getattr(model, "packed_modules", {})
     # Which (checkpoint name) each of our parameter slices expects.
     expected: dict[str, tuple[str, str | None]] = {}
     for pname, _ in model.named_parameters():
+        if pname in skip:
+            continue
         ckpt = model.checkpoint_name(pname)
         targets = [(src, shard) for src, (frag, shard) in packed.items() if f".{frag}." in ckpt]
         if targets:
@@ -125,17 +132,23 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
 
 
 def _allocate_parameters(
-    model: nn.Module, dtype: torch.dtype, device: torch.device, linear_dtype: torch.dtype
+    model: nn.Module,
+    dtype: torch.dtype,
+    device: torch.device,
+    linear_dtype: torch.dtype,
+    skip: frozenset[str] = frozenset(),
 ) -> None:
     """Give every meta parameter uninitialised memory (what `to_empty` does, minus the cost of
     routing each allocation through torch's meta-tensor reference implementations);
     matmul weights (`Linear`, and the embedding, which may be the logits head) get
-    `linear_dtype`."""
-    for module in model.modules():
+    `linear_dtype`. The parameters named in `skip` get none (an empty tensor)."""
+    for prefix, module in model.named_modules():
         kind = linear_dtype if isinstance(module, (Linear, Embedding)) else dtype
         for name, param in module._parameters.items():
             if param is not None and param.is_meta:
-                empty = torch.empty(param.shape, dtype=kind, device=device)
+                full_name = f"{prefix}.{name}" if prefix else name
+                shape = (0,) if full_name in skip else param.shape
+                empty = torch.empty(shape, dtype=kind, device=device)
                 module._parameters[name] = nn.Parameter(empty, requires_grad=False)
 
 
@@ -153,25 +166,44 @@ def _checkpoint_is_4bit(model_dir: str | Path, dtype: torch.dtype) -> bool:
     return False
 
 
+def _int4_linears(model: nn.Module, dtype: torch.dtype, device: torch.device) -> dict[str, Linear]:
+    """The projections that get int4 copies, by module name (read from the meta model)."""
+    return {
+        name: m
+        for name, m in model.named_modules()
+        if isinstance(m, Linear) and can_int4(m.weight, dtype, device)
+    }
+
+
+def _kept_weights(
+    model: nn.Module,
+    linears: dict[str, Linear],
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    quantization: str,
+) -> packed_cache.Packed | None:
+    """The packed weights a store model kept from its last start (`packed_cache`), if they are
+    one per projection, each of its shape: None if there are none or they do not fit."""
+    kept = packed_cache.load(packed_cache.cache_file(model_dir, dtype, quantization))
+    if kept is not None and _fits(kept, linears, model.head_weight):
+        return kept
+    return None
+
+
 def _packed_weights(
     model: nn.Module,
+    linears: dict[str, Linear],
+    kept: packed_cache.Packed | None,
     model_dir: str | Path,
     dtype: torch.dtype,
     quantization: str,
     kernel: QuantMatmul,
 ) -> int:
     """Give the projections their int4 copies and the head its exact Q8_0 copy (a Q4_1 GGUF's
-    head is Q8_0, llama.cpp's convention) for servelm's C kernel: the ones a store model kept
-    from its last start (`packed_cache`), else made from the loaded weights and kept. Returns
-    how many projections got one."""
-    path = packed_cache.cache_file(model_dir, dtype, quantization)
-    linears = {
-        name: m
-        for name, m in model.named_modules()
-        if isinstance(m, Linear) and can_int4(m.weight, dtype)
-    }
-    kept = packed_cache.load(path)
-    if kept is not None and _fits(kept, linears, model.head_weight):
+    head is Q8_0, llama.cpp's convention) for servelm's C kernel: the `kept` ones, else made
+    from the loaded weights and kept for the next start. Returns how many projections got
+    one."""
+    if kept is not None:
         for name, module in linears.items():
             packed, error = kept[name]
             module.use_int4(Int4Weight.from_packed(packed, module.out_features, error, kernel))
@@ -186,7 +218,7 @@ def _packed_weights(
         keep = {name: (m.int4.packed, m.int4.error) for name, m in linears.items()}
         if model.head_q8 is not None:
             keep[packed_cache.HEAD] = (model.head_q8.packed, 0.0)
-        packed_cache.save(path, keep)
+        packed_cache.save(packed_cache.cache_file(model_dir, dtype, quantization), keep)
     return made
 
 
@@ -247,16 +279,30 @@ def build_model(
     # dtype there, then allocated once on the device and filled from the checkpoint.
     with torch.device("meta"):
         model = LlamaForCausalLM(spec, max_positions, rope)
-    # The int4 and int8 copies are made from the checkpoint's own values, so matmul weights
-    # load in float32 first and take the model's dtype afterwards.
-    _allocate_parameters(model, dtype, device, torch.float32 if int4 else dtype)
+    linears = _int4_linears(model, dtype, device) if int4 else {}
+    kept = None
+    if int4 and quant_kernel is not None:
+        kept = _kept_weights(model, linears, model_dir, dtype, quantization)
+    # Int4 and int8 copies made now are made from the checkpoint's own values, so matmul weights
+    # then load in float32 first and take the model's dtype afterwards. Kept copies that the C
+    # kernel serves at every row leave the projections' plain weights unread (`use_int4` frees
+    # them): those are neither allocated nor loaded, which on the default model is 0.3 s of a
+    # start in-process and more in a server (the API process starts on the other core).
+    skip = frozenset()
+    if kept is not None and c_int4_max_rows(quant_kernel) == ALL_ROWS:
+        skip = frozenset(f"{name}.weight" for name in linears)
+    _allocate_parameters(
+        model, dtype, device, torch.float32 if int4 and kept is None else dtype, skip
+    )
     model.rope = rope.to(device)
-    load_weights(model, model_dir)
+    load_weights(model, model_dir, skip)
     model.int4_layers = 0
     model.int4_kept = False  # whether the int4 copies were read from the store (packed_cache)
     if int4:
         if quant_kernel is not None:
-            model.int4_layers = _packed_weights(model, model_dir, dtype, quantization, quant_kernel)
+            model.int4_layers = _packed_weights(
+                model, linears, kept, model_dir, dtype, quantization, quant_kernel
+            )
         else:
             model.int4_layers = quantize_linears_int4(model, dtype, quantization == "auto")
         model.to(dtype)

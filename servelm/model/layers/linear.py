@@ -123,11 +123,12 @@ HEAD_Q8_MAX_ROWS = 8
 INT4_LOSSLESS_STEPS = 1e-3
 
 
-def can_int4(weight: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether torch's CPU int4 kernel takes this weight, for activations of `dtype`."""
+def can_int4(weight: torch.Tensor, dtype: torch.dtype, device: torch.device | None = None) -> bool:
+    """Whether torch's CPU int4 kernel takes this weight, for activations of `dtype`. `device`:
+    where the weight will live, for one not allocated yet (on the meta device)."""
     rows, cols = weight.shape
     return (
-        weight.device.type == "cpu"
+        (device or weight.device).type == "cpu"
         and dtype == torch.bfloat16
         and rows % 16 == 0
         and cols % INT4_GROUP == 0
