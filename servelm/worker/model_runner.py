@@ -8,14 +8,11 @@ whose prompt is complete. Per-request state kept here is only the seeded random 
 from __future__ import annotations
 
 import logging
-import math
-import mmap
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from servelm.engine.outputs import ModelRunnerOutput, SchedulerOutput
@@ -29,6 +26,7 @@ from servelm.model.layers.linear import ALL_ROWS, c_int4_max_rows
 from servelm.model.loader import build_model
 from servelm.worker.attention import TorchPagedAttention
 from servelm.worker.decode_stack import DecodeStack
+from servelm.worker.kv_pool import PageFiller, kv_pool
 from servelm.worker.sampler import SamplingBatch, sample
 
 logger = logging.getLogger(__name__)
@@ -50,21 +48,6 @@ def resolve_dtype(name: str, spec: ModelSpec, device: torch.device) -> torch.dty
     if name not in _DTYPES:
         raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(_DTYPES)}")
     return _DTYPES[name]
-
-
-def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Zero-filled memory whose pages are mapped now. On the CPU a page the kernel maps lazily
-    costs a fault on its first write, and faults are slow inside the engine's threaded ops: a
-    fresh server's cached 1,100-token prefill spent 8 ms of its 63 ms step faulting in the
-    pages its K/V went to. So the CPU pool is an anonymous mapping populated at once (on Linux
-    0.25 s per GiB here, at start-up), as `torch.zeros` on a GPU allocates it outright."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    nbytes = math.prod(shape) * itemsize
-    flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0) | getattr(mmap, "MAP_POPULATE", 0)
-    flat = np.frombuffer(mmap.mmap(-1, max(1, nbytes), flags=flags), np.uint8, count=nbytes)
-    return torch.from_numpy(flat).view(dtype).view(shape)
 
 
 @dataclass
@@ -119,6 +102,7 @@ class ModelRunner:
         self.model.use_cpu_ops(CpuOps.load() if self.use_c_kernels else None)
         self.attn: TorchPagedAttention | None = None
         self.decode_stack: DecodeStack | None = None  # set with the KV cache
+        self.kv_pages: PageFiller | None = None  # the thread mapping the pool's pages, if any
         self.generators: dict[str, torch.Generator] = {}
 
     # -- KV cache -------------------------------------------------------------------------
@@ -149,7 +133,7 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         shape = (num_blocks * self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
         # One mapping for every layer's K and V.
-        pool = zeros((self.spec.num_layers, 2, *shape), self.dtype, self.device)
+        pool, self.kv_pages = kv_pool((self.spec.num_layers, 2, *shape), self.dtype, self.device)
         caches = [(layer[0], layer[1]) for layer in pool]
         decode = prefill = None
         if self.use_c_kernels:
@@ -244,6 +228,16 @@ class ModelRunner:
 
     # -- one step -------------------------------------------------------------------------
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step. The KV pool's pages are not mapped in the background meanwhile."""
+        pages = self.kv_pages
+        if pages is None:
+            return self._execute(so)
+        if pages.done.is_set():
+            self.kv_pages = None
+        with pages.held():
+            return self._execute(so)
+
+    def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         for rid in so.finished_request_ids:
             self.generators.pop(rid, None)
         if not so.requests:
