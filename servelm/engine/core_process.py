@@ -63,10 +63,6 @@ def run_engine_core(
             paths = getattr(core.executor, "step_paths", {})
             core.executor = recorder = StepRecorder(core.executor)
             trace = StepTraceWriter(args.step_trace, recorder, paths)
-        # Everything allocated so far (model, tokenizer tables) lives as long as the process:
-        # keep it out of the garbage collector's generations so collections stay short.
-        gc.collect()
-        gc.freeze()
         outputs.send(
             encode(
                 "ready",
@@ -81,6 +77,11 @@ def run_engine_core(
                 ),
             )
         )
+        # Everything allocated so far (model, tokenizer tables) lives as long as the process:
+        # keep it out of the garbage collector's generations so collections stay short. After
+        # "ready": the collection (0.1 s here) overlaps the API process opening its port.
+        gc.collect()
+        gc.freeze()
         _loop(core, inputs, outputs, trace)
     except Exception as exc:  # report, then die: the API process turns this into errors + 503
         logger.exception("engine core failed")
