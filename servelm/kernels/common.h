@@ -46,6 +46,27 @@ INLINE float half_to_float(uint16_t h) /* IEEE float16 -> float32, exactly */
     return f;
 }
 
+/* float32 -> IEEE float16, rounded to nearest even as torch's .half() rounds: beyond 65,504 by
+ * half a step or more, infinity; below 2^-14, a subnormal (a multiple of 2^-24) or zero. */
+INLINE uint16_t float_to_half(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    const uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    u &= 0x7fffffffu;
+    if (u > 0x7f800000u) /* NaN */
+        return sign | 0x7e00u;
+    if (u >= 0x477ff000u) /* 65,520 and up (infinity too) */
+        return sign | 0x7c00u;
+    if (u < 0x38800000u) { /* below 2^-14: round |f| / 2^-24 (exact: a power of two) */
+        float a;
+        memcpy(&a, &u, sizeof a);
+        return sign | (uint16_t)__builtin_nearbyintf(a * 16777216.f); /* 1024 is 2^-14, normal */
+    }
+    u += 0x0fffu + ((u >> 13) & 1u); /* round the mantissa to 10 bits; a carry bumps the exponent */
+    return sign | (uint16_t)((u - 0x38000000u) >> 13); /* exponent bias 127 -> 15 */
+}
+
 /* e^x over float32's range, in a form the compiler vectorizes: x = n ln2 + r with
  * |r| <= ln2 / 2; e^r from its Taylor series to r^7 (relative error below 1e-7); 2^n built as a
  * float's exponent. x is clamped to [-87, 88]: below, e^-87 (which a softmax's sum of at least

@@ -676,3 +676,162 @@ void q8_matmul_bf16(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t B,
     run(Q8_passes, x, xf, K, w, y, B, N, K);
     free(xf);
 }
+
+/* Quantizing float32 weights W [N, K] into the two layouts above, as a model loads: a Q4_1
+ * GGUF's weights, dequantized to float32 in the checkpoint, go back to their 4-bit values, and
+ * its Q8_0 head to its 8-bit ones. Both return how far the farthest weight lies from its grid
+ * point, in grid steps (0 up to float rounding: the weights were on the grid), or -1 where a
+ * group's scale or low is not finite in float16 (the kernel's form); every operation rounds as
+ * the same steps in torch float32 do (linear.py's `_on_grid`), which the tests check. */
+
+/* The smallest and largest of a group's 32 values v; returns 1 if any is NaN (none of the
+ * ordered comparisons holds for it, so it is looked for apart) */
+INLINE int group_range(const float *v, float *lo, float *hi);
+/* One group's q from its 32 values v on the grid low + q * step (step 0: every q is 0);
+ * returns the largest |v / step - q| before q is clamped to 0..top (or -top..top, bottom = -1) */
+INLINE float on_grid(const float *v, float low, float step, int bottom, int top, uint8_t *q);
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+
+INLINE float lanes_min8(__m256 x)
+{
+    float m[8];
+    _mm256_storeu_ps(m, x);
+    float r = m[0];
+    for (int k = 1; k < 8; k++)
+        r = m[k] < r ? m[k] : r;
+    return r;
+}
+
+INLINE float lanes_max8(__m256 x)
+{
+    float m[8];
+    _mm256_storeu_ps(m, x);
+    float r = m[0];
+    for (int k = 1; k < 8; k++)
+        r = m[k] > r ? m[k] : r;
+    return r;
+}
+
+INLINE int group_range(const float *v, float *lo, float *hi)
+{
+    __m256 mn = _mm256_loadu_ps(v), mx = mn, nan = _mm256_cmp_ps(mn, mn, _CMP_UNORD_Q);
+    for (int j = 8; j < GROUP; j += 8) {
+        const __m256 x = _mm256_loadu_ps(v + j);
+        mn = _mm256_min_ps(x, mn); /* x < mn ? x : mn */
+        mx = _mm256_max_ps(x, mx);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    }
+    *lo = lanes_min8(mn);
+    *hi = lanes_max8(mx);
+    return _mm256_movemask_ps(nan) != 0;
+}
+
+INLINE float on_grid(const float *v, float low, float step, int bottom, int top, uint8_t *q)
+{
+    const __m256 vlow = _mm256_set1_ps(low), div = _mm256_set1_ps(step == 0.f ? 1.f : step);
+    const __m256 lo = _mm256_set1_ps((float)(bottom * top)), hi = _mm256_set1_ps((float)top);
+    __m256 worst = _mm256_setzero_ps();
+    for (int j = 0; j < GROUP; j += 8) {
+        const __m256 exact = _mm256_div_ps(_mm256_sub_ps(_mm256_loadu_ps(v + j), vlow), div);
+        const __m256 r = _mm256_round_ps(exact, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256 d = _mm256_andnot_ps(_mm256_set1_ps(-0.f), _mm256_sub_ps(exact, r));
+        worst = _mm256_max_ps(d, worst); /* d > worst ? d : worst */
+        int32_t qi[8];
+        _mm256_storeu_si256((__m256i *)qi,
+                            _mm256_cvttps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi)));
+        for (int k = 0; k < 8; k++) /* q4: 0..15; q8: the int8 value's two's complement */
+            q[j + k] = (uint8_t)qi[k];
+    }
+    return lanes_max8(worst);
+}
+#else
+INLINE int group_range(const float *v, float *lo, float *hi)
+{
+    int nan = 0;
+    *lo = *hi = v[0];
+    for (int j = 0; j < GROUP; j++) {
+        *lo = v[j] < *lo ? v[j] : *lo;
+        *hi = v[j] > *hi ? v[j] : *hi;
+        nan |= v[j] != v[j];
+    }
+    return nan;
+}
+
+INLINE float on_grid(const float *v, float low, float step, int bottom, int top, uint8_t *q)
+{
+    const float div = step == 0.f ? 1.f : step, lo = (float)(bottom * top), hi = (float)top;
+    float worst = 0.f;
+    for (int j = 0; j < GROUP; j++) {
+        const float exact = (v[j] - low) / div, r = __builtin_nearbyintf(exact);
+        const float d = __builtin_fabsf(exact - r);
+        worst = d > worst ? d : worst;
+        q[j] = (uint8_t)(int)(r < lo ? lo : (r > hi ? hi : r));
+    }
+    return worst;
+}
+#endif
+
+static int finite_half(uint16_t h) { return (h & 0x7c00u) != 0x7c00u; }
+
+/* -> the q4 layout: each group on 15 steps from its minimum to its maximum, the low and the step
+ * rounded to float16 first (as the file stores them) */
+float q4_quantize_f32(const float *w, uint8_t *out, int64_t N, int64_t K)
+{
+    const int64_t G = K / GROUP;
+    float worst = 0.f;
+    int bad = 0;
+#pragma omp parallel for schedule(static) reduction(max : worst) reduction(| : bad)
+    for (int64_t n = 0; n < N / LANES; n++)
+        for (int64_t g = 0; g < G; g++) {
+            uint8_t *block = out + (n * G + g) * Q4_BYTES;
+            uint16_t *scales = (uint16_t *)(block + LANES * GROUP / 2), *lows = scales + LANES;
+            for (int i = 0; i < LANES; i++) {
+                const float *v = w + (n * LANES + i) * K + g * GROUP;
+                float lo, hi;
+                bad |= group_range(v, &lo, &hi);
+                lows[i] = float_to_half(lo);
+                scales[i] = float_to_half((hi - lo) / 15.f);
+                bad |= !finite_half(lows[i]) || !finite_half(scales[i]);
+                uint8_t q[GROUP];
+                const float d =
+                    on_grid(v, half_to_float(lows[i]), half_to_float(scales[i]), 0, 15, q);
+                worst = d > worst ? d : worst;
+                for (int c = 0; c < 8; c++) /* byte 2i + e of chunk c: 2c + e and 16 + 2c + e */
+                    for (int e = 0; e < 2; e++) {
+                        const int j = 2 * c + e;
+                        block[32 * c + 2 * i + e] = (uint8_t)(q[j] | q[16 + j] << 4);
+                    }
+            }
+        }
+    return bad ? -1.f : worst;
+}
+
+/* -> the q8 layout: each group's scale its largest |w| / 127, rounded to float16 */
+float q8_quantize_f32(const float *w, uint8_t *out, int64_t N, int64_t K)
+{
+    const int64_t G = K / GROUP;
+    float worst = 0.f;
+    int bad = 0;
+#pragma omp parallel for schedule(static) reduction(max : worst) reduction(| : bad)
+    for (int64_t n = 0; n < N / LANES; n++)
+        for (int64_t g = 0; g < G; g++) {
+            uint8_t *block = out + (n * G + g) * Q8_BYTES;
+            uint16_t *scales = (uint16_t *)(block + LANES * GROUP);
+            for (int i = 0; i < LANES; i++) {
+                const float *v = w + (n * LANES + i) * K + g * GROUP;
+                float lo, hi;
+                bad |= group_range(v, &lo, &hi);
+                const float top = -lo > hi ? -lo : hi; /* the largest |w| */
+                scales[i] = float_to_half(top / 127.f);
+                bad |= !finite_half(scales[i]);
+                uint8_t q[GROUP];
+                const float d = on_grid(v, 0.f, half_to_float(scales[i]), -1, 127, q);
+                worst = d > worst ? d : worst;
+                for (int j = 0; j < GROUP; j++) /* byte 16j + i */
+                    block[LANES * j + i] = q[j];
+            }
+        }
+    return bad ? -1.f : worst;
+}

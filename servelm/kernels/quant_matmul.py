@@ -58,6 +58,11 @@ class QuantMatmul:
         self.tile_min_rows = lib.q4_tile_min_rows()
         self._dequantize = lib.q4_dequantize_f32
         self._dequantize.argtypes, self._dequantize.restype = [_ptr, _ptr, _i64, _i64], None
+        self.quantizers = {}
+        for kind in ("q4", "q8"):
+            fn = getattr(lib, f"{kind}_quantize_f32")
+            fn.argtypes, fn.restype = [_ptr, _ptr, _i64, _i64], ctypes.c_float
+            self.quantizers[kind] = fn
         # without tiles, q4 of this many rows or more goes to torch's float32 matmul
         self.sgemm_min_rows = 0 if self.tile_min_rows else SGEMM_MIN_ROWS
         self._scratch = torch.empty(0)
@@ -97,6 +102,28 @@ class QuantMatmul:
         quants = q.to(torch.int8).view(blocks, LANES, groups, GROUP).permute(0, 2, 3, 1)
         parts = [quants, _per_block(scale)]
         return torch.cat([_as_bytes(p, blocks, groups) for p in parts], dim=-1)
+
+    def quantize_q4(self, weight: torch.Tensor) -> tuple[torch.Tensor, float] | None:
+        """A weight [N, K] on Q4_1 grids -> its q4 layout, as `pack_q4` lays out each group's q
+        on 15 steps from its minimum to its maximum (low and step rounded to float16), and how
+        far the farthest weight lies from its grid point, in steps (0 up to float rounding: the
+        weight came from a Q4_1 file). None if a low or step is not finite in float16. One pass
+        in C, where the same steps as torch operations took 0.6 s for the default model."""
+        return self._quantize("q4", Q4_BYTES, weight)
+
+    def quantize_q8(self, weight: torch.Tensor) -> tuple[torch.Tensor, float] | None:
+        """The same for Q8_0 (`pack_q8`): each group's scale its largest |w| / 127, rounded to
+        float16, and q in -127..127."""
+        return self._quantize("q8", Q8_BYTES, weight)
+
+    def _quantize(self, kind: str, nbytes: int, weight: torch.Tensor):
+        N, K = weight.shape
+        if not self.takes(N, K):
+            raise ValueError(f"{kind}: a [{N}, {K}] weight is not in blocks of {LANES} x {GROUP}")
+        w = weight.detach().float().contiguous()
+        out = torch.empty(N // LANES, K // GROUP, nbytes, dtype=torch.uint8)
+        error = self.quantizers[kind](w.data_ptr(), out.data_ptr(), N, K)
+        return None if error < 0 else (out, error)
 
     def q4(self, x: torch.Tensor, packed: torch.Tensor, rows: int) -> torch.Tensor:
         """x [B, K] bfloat16 -> [B, rows] bfloat16, for `packed` from `pack_q4` of [rows, K]."""

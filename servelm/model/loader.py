@@ -209,7 +209,7 @@ def _packed_weights(
             module.use_int4(Int4Weight.from_packed(packed, module.out_features, error, kernel))
         if packed_cache.HEAD in kept:
             head = kept[packed_cache.HEAD][0]
-            model.head_q8 = Q8Weight.from_packed(head, model.head_weight.shape[0], kernel)
+            model.head_q8 = Q8Weight(head, model.head_weight.shape[0], kernel)
         model.int4_kept = True
         return len(linears)
     made = quantize_linears_int4(model, dtype, quantization == "auto", kernel)

@@ -23,6 +23,7 @@ from servelm.model.layers.linear import (
     Linear,
     LogitsHead,
     Q8Weight,
+    _on_grid,
     cpu_has_bf16_matmul,
 )
 from tests.kernels.amx import amx_expected
@@ -258,7 +259,8 @@ def test_q8_weight_is_made_only_from_weights_on_the_grid(kernel):
 def test_logits_head_reads_the_q8_copy_for_decode_sized_inputs(kernel):
     q, scale, w = q8_weight(64, 96, seed=9)
     # a head whose bf16 weight differs from its Q8 copy shows which one a call read
-    head = LogitsHead(torch.zeros(64, 96, dtype=torch.bfloat16), Q8Weight(q, scale, kernel))
+    q8 = Q8Weight(QuantMatmul.pack_q8(q, scale), 64, kernel)
+    head = LogitsHead(torch.zeros(64, 96, dtype=torch.bfloat16), q8)
     # where oneDNN has no bf16 matmul, the Q8 copy serves every input
     cut = HEAD_Q8_MAX_ROWS if cpu_has_bf16_matmul() else ALL_ROWS
     assert head.q8_max_rows == cut
@@ -305,3 +307,87 @@ def test_it_says_whether_it_uses_tiles(kernel):
     assert kernel.tile_min_rows == (6 if has_amx else 0)
     if X86:
         assert QuantMatmul.load(extra_flags=("-mno-amx-tile",)).tile_min_rows == 0
+
+
+# -- quantizing at load: the C quantizers against the same steps in torch ----------------------
+
+
+def torch_q4(w: torch.Tensor):
+    """The q4 layout of float32 `w` by torch operations: each group on 15 steps from its minimum,
+    low and step rounded to float16 (None where they are not finite there), and the error."""
+    rows, cols = w.shape
+    groups = w.view(rows, -1, 32)
+    low = groups.amin(-1, keepdim=True)
+    low16 = low.half().float()
+    step16 = ((groups.amax(-1, keepdim=True) - low) / 15).half().float()
+    if not (low16.isfinite().all() and step16.isfinite().all()):
+        return None
+    q, error = _on_grid(groups, low16, step16)
+    q = q.clamp_(0, 15).view(rows, cols)
+    return QuantMatmul.pack_q4(q, step16.view(rows, -1), low16.view(rows, -1)), error
+
+
+def torch_q8(w: torch.Tensor):
+    """The q8 layout by torch operations: scales largest |w| / 127 in float16, and the error."""
+    rows, cols = w.shape
+    groups = w.view(rows, -1, 32)
+    scale = (groups.abs().amax(-1, keepdim=True) / 127).half().float()
+    if not scale.isfinite().all():
+        return None
+    q, error = _on_grid(groups, 0.0, scale)
+    q = q.clamp_(-127, 127).view(rows, cols)
+    return QuantMatmul.pack_q8(q, scale.view(rows, -1)), error
+
+
+def quantizer_inputs() -> dict[str, torch.Tensor]:
+    """Float32 weights [32, 256]: on the grids, off them, and groups whose scales are tiny
+    (float16 subnormals), large, or zero (constant groups)."""
+    g = torch.Generator().manual_seed(21)
+    inputs = {
+        "q4 grid": q4_weight(32, 256, seed=3)[3].float(),
+        "q8 grid": q8_weight(32, 256, seed=3)[2].float(),
+        "normal": torch.randn(32, 256, generator=g),
+    }
+    # each group scaled by its own power of two, 2^-30 .. 2^10
+    powers = torch.randint(-30, 11, (32, 8, 1), generator=g).double().exp2().float()
+    inputs["magnitudes"] = (torch.randn(32, 8, 32, generator=g) * powers).view(32, 256)
+    constant = torch.randn(32, 8, 1, generator=g).expand(32, 8, 32).clone()
+    constant[::3] = 0.0
+    inputs["constant groups"] = constant.view(32, 256)
+    return inputs
+
+
+@pytest.fixture(scope="module")
+def plain_c() -> QuantMatmul:
+    """A build without AVX2 (on x86): the quantizers' plain C loops."""
+    loaded = QuantMatmul.load(extra_flags=("-mno-avx2",) if X86 else ())
+    assert loaded is not None
+    return loaded
+
+
+@pytest.mark.parametrize("name", list(quantizer_inputs()))
+def test_quantizers_match_torchs_steps_bit_for_bit(kernel, portable, plain_c, name):
+    w = quantizer_inputs()[name]
+    for build in (kernel, portable, plain_c):
+        for ours, theirs in (
+            (build.quantize_q4(w), torch_q4(w)),
+            (build.quantize_q8(w), torch_q8(w)),
+        ):
+            assert ours is not None and theirs is not None
+            assert torch.equal(ours[0], theirs[0]), name
+            assert ours[1] == theirs[1], name
+
+
+@pytest.mark.parametrize("build", ["default", "plain C"])
+def test_quantizers_refuse_what_float16_cannot_hold(kernel, plain_c, build):
+    kernel = kernel if build == "default" else plain_c
+    big = torch.randn(16, 64) * 1e6  # q4 lows of -2e6 are not float16 (q8 scales of 2e4 are)
+    assert kernel.quantize_q4(big) is None and torch_q4(big) is None
+    assert kernel.quantize_q8(big) is not None and torch_q8(big) is not None
+    huge = torch.randn(16, 64) * 1e8  # q8 scales of ~2e6
+    assert kernel.quantize_q8(huge) is None and torch_q8(huge) is None
+    nan = torch.randn(16, 64)
+    nan[3, 40] = float("nan")
+    assert kernel.quantize_q4(nan) is None and kernel.quantize_q8(nan) is None
+    with pytest.raises(ValueError):
+        kernel.quantize_q4(torch.randn(24, 64))  # 24 rows: not whole blocks of 16

@@ -162,20 +162,18 @@ class Int4Weight:
         self, weight: torch.Tensor, dtype: torch.dtype, kernel: QuantMatmul | None = None
     ) -> None:
         rows, cols = weight.shape
+        if kernel is not None:  # the kernel reads the grid in float16, and makes it itself
+            made = kernel.quantize_q4(weight)
+            if made is not None:
+                packed, self.error = made
+                self._keep(packed, rows, kernel)
+                return
+            # beyond float16's range: torch's kernel takes the scales as they are
         groups = weight.detach().float().view(rows, cols // INT4_GROUP, INT4_GROUP)
         low = groups.amin(-1, keepdim=True)
         step = (groups.amax(-1, keepdim=True) - low) / 15
-        if kernel is not None:  # the kernel reads the grid in float16
-            low16, step16 = low.half().float(), step.half().float()
-            if low16.isfinite().all() and step16.isfinite().all():
-                low, step = low16, step16
-            else:  # beyond float16's range: torch's kernel takes the scales as they are
-                kernel = None
         q, self.error = _on_grid(groups, low, step)
         q = q.clamp_(0, 15).view(rows, cols)
-        if kernel is not None:
-            self._keep(kernel.pack_q4(q, step.view(rows, -1), low.view(rows, -1)), rows, kernel)
-            return
         self.rows, self.kernel, self.max_rows = rows, None, INT4_MAX_ROWS
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
         # torch's form: w = (q - 8) * scale + zero, as [groups, rows, (scale, zero)]
@@ -212,17 +210,9 @@ class Q8Weight:
     group (w = q * scale), the default model's logits head. Kept as such only for servelm's C
     kernel, and only when the weight lies on that grid exactly."""
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, kernel: QuantMatmul) -> None:
-        self.rows, self.kernel = q.shape[0], kernel
-        self.packed = kernel.pack_q8(q, scale)
-        self.nbytes = self.packed.nbytes
-
-    @classmethod
-    def from_packed(cls, packed: torch.Tensor, rows: int, kernel: QuantMatmul) -> Q8Weight:
-        """One made before and kept (`model/packed_cache.py`)."""
-        self = cls.__new__(cls)
+    def __init__(self, packed: torch.Tensor, rows: int, kernel: QuantMatmul) -> None:
+        """`packed`: the C kernel's q8 layout of a [rows, K] weight (`quantize_q8`)."""
         self.rows, self.kernel, self.packed, self.nbytes = rows, kernel, packed, packed.nbytes
-        return self
 
     @classmethod
     def exact(cls, weight: torch.Tensor, kernel: QuantMatmul) -> Q8Weight | None:
@@ -231,14 +221,10 @@ class Q8Weight:
         rows, cols = weight.shape
         if not kernel.takes(rows, cols):
             return None
-        groups = weight.detach().float().view(rows, cols // INT4_GROUP, INT4_GROUP)
-        scale = (groups.abs().amax(-1, keepdim=True) / 127).half().float()
-        if not scale.isfinite().all():
+        made = kernel.quantize_q8(weight)
+        if made is None or made[1] > INT4_LOSSLESS_STEPS:
             return None
-        q, error = _on_grid(groups, 0.0, scale)
-        if error > INT4_LOSSLESS_STEPS:
-            return None
-        return cls(q.view(rows, cols), scale.view(rows, -1), kernel)
+        return cls(made[0], rows, kernel)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernel.q8(x, self.packed, self.rows)
