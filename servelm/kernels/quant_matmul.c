@@ -775,63 +775,54 @@ INLINE float on_grid(const float *v, float low, float step, int bottom, int top,
 
 static int finite_half(uint16_t h) { return (h & 0x7c00u) != 0x7c00u; }
 
-/* -> the q4 layout: each group on 15 steps from its minimum to its maximum, the low and the step
- * rounded to float16 first (as the file stores them) */
-float q4_quantize_f32(const float *w, uint8_t *out, int64_t N, int64_t K)
+/* W -> the q4 layout (q8 = 0): each group on 15 steps from its minimum to its maximum, the low
+ * and the step rounded to float16 first, as the file stores them; or the q8 layout (q8 = 1):
+ * each group's scale its largest |w| / 127, rounded to float16 */
+static float quantize(const float *w, uint8_t *out, int64_t N, int64_t K, int q8)
 {
-    const int64_t G = K / GROUP;
+    const int64_t G = K / GROUP, bytes = q8 ? Q8_BYTES : Q4_BYTES;
+    const int quants = q8 ? LANES * GROUP : LANES * GROUP / 2;
     float worst = 0.f;
     int bad = 0;
 #pragma omp parallel for schedule(static) reduction(max : worst) reduction(| : bad)
     for (int64_t n = 0; n < N / LANES; n++)
         for (int64_t g = 0; g < G; g++) {
-            uint8_t *block = out + (n * G + g) * Q4_BYTES;
-            uint16_t *scales = (uint16_t *)(block + LANES * GROUP / 2), *lows = scales + LANES;
+            uint8_t *block = out + (n * G + g) * bytes;
+            uint16_t *scales = (uint16_t *)(block + quants), *lows = scales + LANES; /* q4 */
             for (int i = 0; i < LANES; i++) {
                 const float *v = w + (n * LANES + i) * K + g * GROUP;
-                float lo, hi;
+                float lo, hi, low = 0.f;
                 bad |= group_range(v, &lo, &hi);
-                lows[i] = float_to_half(lo);
-                scales[i] = float_to_half((hi - lo) / 15.f);
-                bad |= !finite_half(lows[i]) || !finite_half(scales[i]);
+                if (q8) {
+                    scales[i] = float_to_half((-lo > hi ? -lo : hi) / 127.f); /* largest |w| */
+                } else {
+                    lows[i] = float_to_half(lo);
+                    scales[i] = float_to_half((hi - lo) / 15.f);
+                    bad |= !finite_half(lows[i]);
+                    low = half_to_float(lows[i]);
+                }
+                bad |= !finite_half(scales[i]);
                 uint8_t q[GROUP];
-                const float d =
-                    on_grid(v, half_to_float(lows[i]), half_to_float(scales[i]), 0, 15, q);
+                const float d = on_grid(v, low, half_to_float(scales[i]), q8 ? -1 : 0,
+                                        q8 ? 127 : 15, q);
                 worst = d > worst ? d : worst;
-                for (int c = 0; c < 8; c++) /* byte 2i + e of chunk c: 2c + e and 16 + 2c + e */
-                    for (int e = 0; e < 2; e++) {
-                        const int j = 2 * c + e;
-                        block[32 * c + 2 * i + e] = (uint8_t)(q[j] | q[16 + j] << 4);
-                    }
+                if (q8)
+                    for (int j = 0; j < GROUP; j++) /* byte 16j + i */
+                        block[LANES * j + i] = q[j];
+                else
+                    for (int j = 0; j < 16; j++) /* byte 2i + e of chunk c (j = 2c + e) */
+                        block[16 * (j & ~1) + 2 * i + (j & 1)] = (uint8_t)(q[j] | q[16 + j] << 4);
             }
         }
     return bad ? -1.f : worst;
 }
 
-/* -> the q8 layout: each group's scale its largest |w| / 127, rounded to float16 */
+float q4_quantize_f32(const float *w, uint8_t *out, int64_t N, int64_t K)
+{
+    return quantize(w, out, N, K, 0);
+}
+
 float q8_quantize_f32(const float *w, uint8_t *out, int64_t N, int64_t K)
 {
-    const int64_t G = K / GROUP;
-    float worst = 0.f;
-    int bad = 0;
-#pragma omp parallel for schedule(static) reduction(max : worst) reduction(| : bad)
-    for (int64_t n = 0; n < N / LANES; n++)
-        for (int64_t g = 0; g < G; g++) {
-            uint8_t *block = out + (n * G + g) * Q8_BYTES;
-            uint16_t *scales = (uint16_t *)(block + LANES * GROUP);
-            for (int i = 0; i < LANES; i++) {
-                const float *v = w + (n * LANES + i) * K + g * GROUP;
-                float lo, hi;
-                bad |= group_range(v, &lo, &hi);
-                const float top = -lo > hi ? -lo : hi; /* the largest |w| */
-                scales[i] = float_to_half(top / 127.f);
-                bad |= !finite_half(scales[i]);
-                uint8_t q[GROUP];
-                const float d = on_grid(v, 0.f, half_to_float(scales[i]), -1, 127, q);
-                worst = d > worst ? d : worst;
-                for (int j = 0; j < GROUP; j++) /* byte 16j + i */
-                    block[LANES * j + i] = q[j];
-            }
-        }
-    return bad ? -1.f : worst;
+    return quantize(w, out, N, K, 1);
 }
