@@ -5,6 +5,8 @@
     y = kernel.q4(x, packed, N)                 # x [B, K] bfloat16 -> y [B, N] bfloat16
     packed = kernel.pack_q8(q, scale)           # q [N, K] in -127..127
     y = kernel.q8(x, packed, N)
+    packed, error = kernel.quantize_q4(w)       # the same from a float32 weight on the grid
+                                                # (error in grid steps; quantize_q8 likewise)
 
 Groups of 32 along each row share a float16 scale (and, for q4, a low): GGUF's Q4_1 and Q8_0,
 whose values these hold exactly. `pack_*` lay the weight out as the C code reads it: rows in

@@ -127,7 +127,8 @@ class PageFiller:
 
 
 def _libc_madvise():
-    """libc's `madvise`, if this is Linux with MADV_POPULATE_WRITE, else None."""
+    """libc's `madvise` on Linux, else None (whether the kernel knows MADV_POPULATE_WRITE,
+    `PageFiller.start` finds out)."""
     if not hasattr(os, "sched_getaffinity"):  # not Linux
         return None
     try:
