@@ -56,6 +56,7 @@ class EngineArgs:
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    max_prefill_admit_tokens: int = 0  # 0: new prompts fill the step budget (see the flag)
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes; default 1 GiB on CPU, profiled on CUDA
     gpu_memory_utilization: float = 0.9
@@ -106,6 +107,13 @@ class EngineArgs:
         g.add_argument("--max-model-len", type=int, default=None)
         g.add_argument("--max-num-seqs", type=int, default=64)
         g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+        g.add_argument(
+            "--max-prefill-admit-tokens",
+            type=int,
+            default=0,
+            help="admit new prompts into a step only while its prompt tokens are fewer than "
+            "this (a prompt admitted is not cut short for it); 0: up to the step budget",
+        )
         g.add_argument("--block-size", type=int, default=16)
         g.add_argument(
             "--kv-cache-memory",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from servelm.cli import COMMANDS
+from servelm.cli import COMMANDS, build_parser
 
 
 def _run_python(code: str) -> str:
@@ -56,3 +56,18 @@ def test_unknown_command_is_a_usage_error():
     )
     assert done.returncode == 2
     assert "invalid choice: 'nope'" in done.stderr
+
+
+def test_prefill_admit_cap_reaches_the_scheduler(tiny_model_dir):
+    """`--max-prefill-admit-tokens` goes from the command line through EngineArgs to the
+    scheduler the engine builds."""
+    from servelm.config import EngineArgs
+    from servelm.worker.executor import create_engine_core
+
+    args = build_parser(["serve"]).parse_args(
+        ["serve", str(tiny_model_dir), "--max-prefill-admit-tokens", "512"]
+    )
+    engine_args = EngineArgs.from_cli_args(args)
+    engine_args.kv_cache_memory = 8 << 20
+    core, _ = create_engine_core(engine_args)
+    assert core.scheduler.config.max_prefill_admit_tokens == 512

@@ -32,6 +32,10 @@ class SchedulerConfig:
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # New prompts are admitted only while the step's prompt tokens are fewer than this (0: no
+    # limit but the budget). Where prompts are bound by arithmetic (a CPU), batching them buys
+    # no speed, and every prompt of a batch gets its first token when the last one does.
+    max_prefill_admit_tokens: int = 0
     max_model_len: int = 2048
     enable_prefix_caching: bool = True
     policy: str = "fcfs"
@@ -90,6 +94,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         preempted = 0
+        admit_cap = self.config.max_prefill_admit_tokens or budget
 
         i = 0
         running = self.running
@@ -122,11 +127,14 @@ class Scheduler:
                 budget -= num_new
                 i += 1
 
+        # Prompt tokens already in the step (chunks of unfinished prompts; a decode is one token)
+        prefill = sum(n for _, n in scheduled if n > 1)
         # Admit waiting requests only in steps without preemption: the pool is known to be tight.
         while (
             not preempted
             and self.waiting
             and budget > 0
+            and prefill < admit_cap
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting.peek()
@@ -144,6 +152,7 @@ class Scheduler:
             self.running.append(request)
             scheduled.append((request, num_new))
             budget -= num_new
+            prefill += num_new
 
         # Describe each scheduled request (each appears once), then advance it. Runs once per
         # request per step, inline rather than through a method call.

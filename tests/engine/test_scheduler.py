@@ -82,6 +82,39 @@ def test_max_num_seqs_limits_admission():
     assert [r.request_id for r in out.requests] == ["r0", "r1"] and len(s.waiting) == 1
 
 
+def test_prefill_admit_cap_starts_prompts_a_few_at_a_time():
+    s = make(num_blocks=64, max_num_batched_tokens=64, max_prefill_admit_tokens=8)
+    for i in range(4):
+        s.add_request(req(f"r{i}", 6, start=10 * i))
+    out, _ = step(s)
+    # r0 (6 tokens) leaves the step under 8 prompt tokens, so r1 comes in whole; r2 waits
+    assert [(r.request_id, len(r.token_ids)) for r in out.requests] == [("r0", 6), ("r1", 6)]
+    out, _ = step(s)
+    # the decodes do not count against the cap
+    assert [(r.request_id, len(r.token_ids)) for r in out.requests] == [
+        ("r0", 1),
+        ("r1", 1),
+        ("r2", 6),
+        ("r3", 6),
+    ]
+
+
+def test_prefill_admit_cap_counts_a_running_prompts_chunk():
+    s = make(num_blocks=64, max_num_batched_tokens=10, max_prefill_admit_tokens=8)
+    s.add_request(req("long", 30))
+    s.add_request(req("short", 4, start=100))
+    out, _ = step(s)
+    assert [(r.request_id, len(r.token_ids)) for r in out.requests] == [("long", 10)]
+    out, _ = step(s)  # long's next chunk fills the cap: short still waits
+    assert [(r.request_id, len(r.token_ids)) for r in out.requests] == [("long", 10)]
+    out, _ = step(s)
+    assert [(r.request_id, len(r.token_ids)) for r in out.requests] == [("long", 10)]
+    out, _ = step(s)  # long decodes; short is admitted
+    assert [(r.request_id, len(r.token_ids)) for r in out.requests] == [("long", 1), ("short", 4)]
+    run_to_end(s)
+    assert s.kv.usage() == 0.0
+
+
 def test_preempts_newest_when_out_of_blocks_and_recomputes():
     s = make(num_blocks=4)  # 16 token slots
     s.add_request(req("old", 7, max_tokens=8, start=0))
