@@ -27,6 +27,7 @@ from servelm.model.layers.linear import (
     Q8Weight,
     c_int4_max_rows,
     can_int4,
+    int4_linears,
     quantize_linears_int4,
 )
 
@@ -166,15 +167,6 @@ def _checkpoint_is_4bit(model_dir: str | Path, dtype: torch.dtype) -> bool:
     return False
 
 
-def _int4_linears(model: nn.Module, dtype: torch.dtype, device: torch.device) -> dict[str, Linear]:
-    """The projections that get int4 copies, by module name (read from the meta model)."""
-    return {
-        name: m
-        for name, m in model.named_modules()
-        if isinstance(m, Linear) and can_int4(m.weight, dtype, device)
-    }
-
-
 def _kept_weights(
     model: nn.Module,
     linears: dict[str, Linear],
@@ -212,7 +204,7 @@ def _packed_weights(
             model.head_q8 = Q8Weight(head, model.head_weight.shape[0], kernel)
         model.int4_kept = True
         return len(linears)
-    made = quantize_linears_int4(model, dtype, quantization == "auto", kernel)
+    made = quantize_linears_int4(linears.values(), dtype, quantization == "auto", kernel)
     if made:
         model.head_q8 = Q8Weight.exact(model.head_weight, kernel)
         keep = {name: (m.int4.packed, m.int4.error) for name, m in linears.items()}
@@ -279,7 +271,7 @@ def build_model(
     # dtype there, then allocated once on the device and filled from the checkpoint.
     with torch.device("meta"):
         model = LlamaForCausalLM(spec, max_positions, rope)
-    linears = _int4_linears(model, dtype, device) if int4 else {}
+    linears = int4_linears(model, dtype, device) if int4 else {}
     kept = None
     if int4 and quant_kernel is not None:
         kept = _kept_weights(model, linears, model_dir, dtype, quantization)
@@ -304,7 +296,9 @@ def build_model(
                 model, linears, kept, model_dir, dtype, quantization, quant_kernel
             )
         else:
-            model.int4_layers = quantize_linears_int4(model, dtype, quantization == "auto")
+            model.int4_layers = quantize_linears_int4(
+                linears.values(), dtype, quantization == "auto"
+            )
         model.to(dtype)
     # Counted before repacking, which frees the plain copies of packed weights.
     quantized = [m.int4 for m in model.modules() if isinstance(m, Linear) and m.int4 is not None]

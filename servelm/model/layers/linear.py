@@ -23,6 +23,7 @@ keeps no bf16 copy; so it does on a CPU without oneDNN's bf16 matmul, on its AVX
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable
 from functools import cache
 
 import torch
@@ -288,20 +289,32 @@ def pack_linears_for_cpu(model: nn.Module) -> None:
             module.pack_for_cpu()
 
 
+def int4_linears(model: nn.Module, dtype: torch.dtype, device: torch.device) -> dict[str, Linear]:
+    """The `Linear`s of `model` whose weights the int4 kernels take, by module name; `device`:
+    where the weights live (or will: this reads a model still on the meta device too)."""
+    return {
+        name: m
+        for name, m in model.named_modules()
+        if isinstance(m, Linear) and can_int4(m.weight, dtype, device)
+    }
+
+
 def quantize_linears_int4(
-    model: nn.Module, dtype: torch.dtype, lossless_only: bool, kernel: QuantMatmul | None = None
+    linears: Iterable[Linear],
+    dtype: torch.dtype,
+    lossless_only: bool,
+    kernel: QuantMatmul | None = None,
 ) -> int:
-    """Give every `Linear` of `model` whose weight the kernel takes an int4 copy, made from its
-    current (float32) weight; returns how many got one. With `lossless_only`, all or none: if
-    any weight is not 4-bit already, nothing is quantized. `kernel`: servelm's C kernel, which
-    then serves these copies in place of torch's."""
+    """Give each of `linears` (`int4_linears`) an int4 copy, made from its current (float32)
+    weight; returns how many got one. With `lossless_only`, all or none: if any weight is not
+    4-bit already, nothing is quantized. `kernel`: servelm's C kernel, which then serves these
+    copies in place of torch's."""
     made = []
-    for module in model.modules():
-        if isinstance(module, Linear) and can_int4(module.weight, dtype):
-            weight = Int4Weight(module.weight, dtype, kernel)
-            if lossless_only and weight.error > INT4_LOSSLESS_STEPS:
-                return 0
-            made.append((module, weight))
+    for module in linears:
+        weight = Int4Weight(module.weight, dtype, kernel)
+        if lossless_only and weight.error > INT4_LOSSLESS_STEPS:
+            return 0
+        made.append((module, weight))
     for module, weight in made:
         module.use_int4(weight)
     return len(made)
