@@ -1,8 +1,8 @@
 """Time the C Q4_1 matmuls of one layer of the default model's shape, side by side: the kernel
-as this CPU runs it (AMX tiles from 6 rows where the CPU has them; without tiles, float32
-dequantization and torch's matmul from `SGEMM_MIN_ROWS` rows) against the same source built
-without AMX (`-mno-amx-tile`) and kept on its vector path (AVX-512 BF16, or AVX2) at every
-batch; then, at prompt sizes, the kernel against the matmul the engine would run on a plain
+as this CPU runs it (AMX tiles from 6 rows where the CPU has them; with AVX2 alone, x quantized
+to int16) against the same source built without AMX (`-mno-amx-tile`) and without the integer
+path, kept on its float vector path (AVX-512 BF16, or AVX2) at every batch, and (with AVX2)
+against x quantized to int8; then, at prompt sizes, the kernel against the matmul the engine would run on a plain
 weight: oneDNN's bf16 matmul (torch's packed linear) where this CPU has it, else torch's
 float32 matmul on a float32 copy.
 
@@ -69,10 +69,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--prompt-rows", default="33,108,256,1108", help="'' to skip that table")
     args = ap.parse_args()
-    builds = {"default": QuantMatmul.load(), "vector": QuantMatmul.load(("-mno-amx-tile",))}
+    builds = {
+        "default": QuantMatmul.load(),
+        "int8": QuantMatmul.load(("-mno-amx-tile", "-DQ4_X_BITS=8")),
+        "vector": QuantMatmul.load(("-mno-amx-tile", "-DQ4_INT8=0")),
+    }
     if any(k is None for k in builds.values()):
         raise SystemExit("quant_matmul.c does not build here (no C compiler, or not x86)")
-    builds["vector"].sgemm_min_rows = 0  # the C vector path at every batch
+    builds["vector"].sgemm_min_rows = 0  # the C vector path, x in float32, at every batch
+    if builds["int8"].activation_bits != 8:  # no integer path in this build (no AVX2)
+        del builds["int8"]
     g = torch.Generator().manual_seed(0)
     weights, plain = [], []
     for rows, cols in LAYER:
@@ -86,7 +92,11 @@ def main() -> None:
             plain.append([_pack(w.bfloat16()) if bf16 else w.clone() for _ in range(args.copies)])
     print(f"one layer's four Q4_1 matmuls, {args.copies} copies of each weight, best of "
           f"{args.rounds} rounds, {torch.get_num_threads()} threads")  # fmt: skip
-    print(f"{'rows':>5} {'as run here':>14} {'vector path':>14} {'ratio':>6}")
+    int8 = "int8" in builds
+    print(
+        f"{'rows':>5} {'as run here':>14} {'vector path':>14} {'ratio':>6}"
+        + (f" {'int8 x':>14} {'ratio':>6}" if int8 else "")
+    )
     for batch in (int(b) for b in args.batch.split(",")):
         x_by_cols = {
             c: torch.randn(batch, c, generator=g).bfloat16() for c in {c for _, c in LAYER}
@@ -96,8 +106,11 @@ def main() -> None:
             for name, kernel in builds.items()
         }
         best = side_by_side(fns, args.rounds)
-        tiles, vector = best["default"] * 1e6, best["vector"] * 1e6
-        print(f"{batch:5d} {tiles:11.0f} us {vector:11.0f} us {vector / tiles:5.2f}x")
+        here, vector = best["default"] * 1e6, best["vector"] * 1e6
+        line = f"{batch:5d} {here:11.0f} us {vector:11.0f} us {vector / here:5.2f}x"
+        if int8:
+            line += f" {best['int8'] * 1e6:11.0f} us {best['int8'] * 1e6 / here:5.2f}x"
+        print(line)
     if not args.prompt_rows:
         return
     reference = "oneDNN bf16" if cpu_has_bf16_matmul() else "torch float32"

@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/step_time.py --dtype bfloat16 --batch 1,16 --context 256
     .venv/bin/python benchmarks/step_time.py --quantization none,auto   # bf16 vs int4 weights
     .venv/bin/python benchmarks/step_time.py --kernels torch,auto   # torch ops vs C kernels
+    .venv/bin/python benchmarks/step_time.py --int4-activations int16,int8,float32
 
 Prints milliseconds per decode step and per prefill of `--prefill` tokens, measured side by side
 for each setting in one run. No server, no HTTP: this isolates the model runner and scheduler.
@@ -60,19 +61,29 @@ def main() -> None:
         "--quantization", default="auto", help="one or several, comma-separated: auto,none,int4"
     )
     ap.add_argument("--kernels", default="auto", help="one or several, comma-separated: auto,torch")
+    ap.add_argument(
+        "--int4-activations", default="int16", help="one or several: int16,int8,float32"
+    )
     args = ap.parse_args()
-    settings = [(q, a) for q in args.quantization.split(",") for a in args.kernels.split(",")]
-    for quantization, kernels in settings:
+    settings = [
+        (q, a, i)
+        for q in args.quantization.split(",")
+        for a in args.kernels.split(",")
+        for i in args.int4_activations.split(",")
+    ]
+    for quantization, kernels, activations in settings:
         llm = LLM(
             args.model,
             dtype=args.dtype,
             quantization=quantization,
             kernels=kernels,
+            int4_activations=activations,
             num_threads=args.num_threads,
             enable_prefix_caching=False,
         )
         runner = llm.engine.executor
-        label = f"[{quantization}: {runner.int4_layers} int4 projections; {kernels} kernels]"
+        label = f"[{quantization}: {runner.int4_layers} int4 projections; {kernels} kernels"
+        label += f"; x as {activations}]"
         for b in (int(x) for x in args.batch.split(",")):
             ms = decode_ms(llm, b, args.context, args.steps)
             print(f"{label} decode batch {b:3d} context {args.context}: {ms:7.2f} ms/step")

@@ -53,6 +53,7 @@ class EngineArgs:
     quantization: str = "auto"  # auto: int4 decode weights where lossless (see --quantization)
     device: str = "auto"
     kernels: str = "auto"  # auto: servelm's C kernels on the CPU where they build; torch
+    int4_activations: str = "int16"  # how the C kernel's int4 matmuls take x (AVX2 path)
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -103,6 +104,16 @@ class EngineArgs:
             "system C compiler on first use, then cached), and a decode step of at most 32 (16 "
             "without AMX) tokens runs all its layers in one C call; torch where they cannot be built; "
             "torch: torch ops only, as on CUDA",
+        )
+        g.add_argument(
+            "--int4-activations",
+            default="int16",
+            choices=["int16", "int8", "float32"],
+            help="on a CPU with AVX2 but neither AMX nor oneDNN's bf16 matmul, how the C "
+            "kernel's int4 matmuls take their inputs: quantized per group of 32 to int16 "
+            "(exact but for inputs 2^7 below their group's largest; 1.5-1.7x faster than "
+            "float32), or to int8 as llama.cpp does (2.6x, about 0.7 %% off: more answers "
+            "drift from transformers'), or in float32",
         )
         g.add_argument("--max-model-len", type=int, default=None)
         g.add_argument("--max-num-seqs", type=int, default=64)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from servelm.cli import COMMANDS, build_parser
 
 
@@ -71,3 +73,29 @@ def test_prefill_admit_cap_reaches_the_scheduler(tiny_model_dir):
     engine_args.kv_cache_memory = 8 << 20
     core, _ = create_engine_core(engine_args)
     assert core.scheduler.config.max_prefill_admit_tokens == 512
+
+
+def test_int4_activations_reach_the_quantized_matmul(tiny_model_dir):
+    """`--int4-activations` goes from the command line to the C kernel the engine multiplies
+    its int4 weights with (a setting of the whole process; the default is set last)."""
+    from servelm.config import EngineArgs
+    from servelm.kernels.quant_matmul import ACTIVATIONS
+    from servelm.worker.executor import create_engine_core
+
+    bits = {}
+    for kind in ("int8", "float32", "int16"):
+        args = build_parser(["serve"]).parse_args(
+            ["serve", str(tiny_model_dir), "--int4-activations", kind]
+        )
+        engine_args = EngineArgs.from_cli_args(args)
+        engine_args.kv_cache_memory = 8 << 20
+        core, _ = create_engine_core(engine_args)
+        if core.executor.quant_kernel is None:
+            pytest.skip("no C compiler here")
+        bits[kind] = core.executor.quant_kernel.activation_bits
+    if bits["int16"]:  # this build multiplies x in integers (AVX2)
+        assert bits == ACTIVATIONS
+    else:
+        assert bits == dict.fromkeys(ACTIVATIONS, 0)
+    with pytest.raises(SystemExit):
+        build_parser(["serve"]).parse_args(["serve", "--int4-activations", "int4"])

@@ -3,6 +3,7 @@
     kernel = QuantMatmul.load()                 # None: no C compiler here, use torch
     packed = kernel.pack_q4(q, scale, low)      # once, at load: q [N, K] in 0..15
     y = kernel.q4(x, packed, N)                 # x [B, K] bfloat16 -> y [B, N] bfloat16
+    kernel.use_activations("int8")              # with AVX2: x as int16 (default), int8, float32
     packed = kernel.pack_q8(q, scale)           # q [N, K] in -127..127
     y = kernel.q8(x, packed, N)
     packed, error = kernel.quantize_q4(w)       # the same from a float32 weight on the grid
@@ -30,10 +31,14 @@ Q4_BYTES = LANES * GROUP // 2 + LANES * 2 * 2  # per block and group: quants, sc
 Q8_BYTES = LANES * GROUP + LANES * 2  # quants, scales
 
 # Rows of x from which q4 dequantizes the weight into float32 and multiplies with torch's float32
-# matmul, on a CPU without AMX tiles. One layer's four matmuls against the C vector path on 2
+# matmul, on a CPU without AMX tiles where x stays in float32 (no AVX2, or activations
+# "float32"). One layer's four matmuls against the C vector path on 2
 # cores of an AVX2-only AMD EPYC (`benchmarks/quant_matmul.py`): 0.86x at 128 rows, 1.14x at
 # 256, 1.38x at 512, 1.22x at 1,108.
 SGEMM_MIN_ROWS = 192
+
+# how q4 may take x on the C kernel's AVX2 path: bits of the integers it is quantized to
+ACTIVATIONS = {"int16": 16, "int8": 8, "float32": 0}
 
 _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -65,9 +70,24 @@ class QuantMatmul:
             fn = getattr(lib, f"{kind}_quantize_f32")
             fn.argtypes, fn.restype = [_ptr, _ptr, _i64, _i64], ctypes.c_float
             self.quantizers[kind] = fn
-        # without tiles, q4 of this many rows or more goes to torch's float32 matmul
-        self.sgemm_min_rows = 0 if self.tile_min_rows else SGEMM_MIN_ROWS
+        self._activation_bits = lib.q4_activation_bits
+        self._activation_bits.argtypes, self._activation_bits.restype = [_i64], _i64
+        self._set_bits(self._activation_bits(-1))
         self._scratch = torch.empty(0)
+
+    def use_activations(self, kind: str) -> None:
+        """How q4 takes x, where this build has integer paths (see the C file): "int16" (the
+        default; exact but for x far below its group's largest), "int8" (about 2x faster, and
+        about 0.7 % off), or "float32". For the whole process, which loads the library once."""
+        if kind not in ACTIVATIONS:
+            raise ValueError(f"activations {kind!r}: choose one of {', '.join(ACTIVATIONS)}")
+        self._set_bits(self._activation_bits(ACTIVATIONS[kind]))
+
+    def _set_bits(self, bits: int) -> None:
+        # q4 quantizes x to integers of this many bits (0: it multiplies x in float32)
+        self.activation_bits = bits
+        # without tiles or integers, q4 of this many rows or more goes to torch's float32 matmul
+        self.sgemm_min_rows = 0 if self.tile_min_rows or bits else SGEMM_MIN_ROWS
 
     @property
     def c_max_rows(self) -> int:

@@ -49,6 +49,7 @@ def create_engine_core(
         quantization=args.quantization,
         device=args.device,
         kernels=args.kernels,
+        int4_activations=args.int4_activations,
         block_size=args.block_size,
         max_model_len=max_model_len,
         seed=args.seed,

@@ -67,6 +67,7 @@ class ModelRunner:
         quantization: str = "auto",
         device: str = "auto",
         kernels: str = "auto",
+        int4_activations: str = "int16",
         block_size: int = 16,
         max_model_len: int,
         seed: int = 0,
@@ -92,6 +93,8 @@ class ModelRunner:
             if time.perf_counter() - t0 > 0.5:
                 logger.info("C kernels built in %.2f s", time.perf_counter() - t0)
         self.quant_kernel = QuantMatmul.load() if self.use_c_kernels else None
+        if self.quant_kernel is not None:
+            self.quant_kernel.use_activations(int4_activations)
         t0 = time.perf_counter()
         self.model = build_model(
             model_dir, spec, self.dtype, self.device, max_model_len, quantization, self.quant_kernel
@@ -182,6 +185,8 @@ class ModelRunner:
             int4 = "C q4_matmul" if self.quant_kernel else "torch _weight_int4pack_mm"
             if self.quant_kernel and self.quant_kernel.tile_min_rows:
                 int4 += f" (AMX tiles from {self.quant_kernel.tile_min_rows} rows, prompts too)"
+            elif self.quant_kernel and self.quant_kernel.activation_bits:
+                int4 += f" (x as int{self.quant_kernel.activation_bits}, prompts too)"
             summary += f"; int4 projections: {int4}"
         if self.model.head_q8 is not None:
             summary += "; logits head: C q8_matmul (Q8_0)"

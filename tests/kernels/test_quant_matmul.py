@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from servelm.kernels.build import compiler
-from servelm.kernels.quant_matmul import QuantMatmul
+from servelm.kernels.quant_matmul import ACTIVATIONS, QuantMatmul
 from servelm.model.layers.linear import (
     ALL_ROWS,
     C_INT4_VECTOR_MAX_ROWS,
@@ -117,10 +117,18 @@ def test_the_plain_c_build_matches_the_exact_product(batch):
         assert_rounded_once(plain.q8(x, QuantMatmul.pack_q8(q, scale), rows), x.double() @ w.T)
 
 
-def test_without_tiles_many_rows_go_to_a_float32_matmul(kernel):
+@pytest.fixture
+def activations(kernel):
+    """Sets how q4 takes x for one test (a setting of the whole process), then the default."""
+    yield kernel.use_activations
+    kernel.use_activations("int16")
+
+
+def test_without_tiles_many_rows_go_to_a_float32_matmul(kernel, activations):
     if kernel.tile_min_rows:  # the tiles serve them
         assert kernel.sgemm_min_rows == 0
         return
+    activations("float32")  # (with x in integers, the C code serves every row)
     q, scale, low, w = q4_weight(576, 1536, seed=3)
     packed = QuantMatmul.pack_q4(q, scale, low)
     # q * scale is exact in float32 and + low rounds once: the float64 weight rounded once
@@ -128,6 +136,77 @@ def test_without_tiles_many_rows_go_to_a_float32_matmul(kernel):
     for rows in (kernel.sgemm_min_rows - 1, kernel.sgemm_min_rows):  # C, then torch
         x = torch.randn(rows, 1536, generator=torch.Generator().manual_seed(rows)).bfloat16()
         assert_rounded_once(kernel.q4(x, packed, 576), x.double() @ w.T)
+
+
+def quantized_x(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [B, K] as q4's integer path takes it, per group of 32: integers a and a scale d with
+    x ~ a * d, in the same float32 steps as the C code (see there)."""
+    B, K = x.shape
+    groups = x.float().view(B, K // 32, 32)
+    amax = groups.abs().amax(-1, keepdim=True)
+    if bits == 16:  # d = 2^(E - 14) for 2^E <= amax < 2^(E + 1): a power of two
+        exponent = torch.frexp(amax).exponent - 1
+        d = torch.where(amax > 0, torch.ldexp(torch.ones_like(amax), exponent - 14), 1.0)
+        a = (groups / d).round()
+    else:  # GGUF's Q8_0
+        # (tensor / tensor: 127 / amax would multiply by a rounded reciprocal)
+        inv = torch.where(amax > 0, torch.full_like(amax, 127) / amax, 0.0)
+        a, d = (groups * inv).round(), amax / 127
+    return a, d
+
+
+def integer_reference(x, q, scale, low, bits) -> torch.Tensor:
+    """y = sum_g scale * d * sum_j q_j a_j + low * sum_j x_j, exactly (float64)."""
+    a, d = quantized_x(x, bits)
+    B, K = x.shape
+    dots = torch.einsum("bgj,ngj->bng", a.double(), q.double().view(-1, K // 32, 32))
+    sums = x.double().view(B, K // 32, 32).sum(-1)
+    return (dots * scale.double() * d.double().view(B, 1, -1)).sum(-1) + sums @ low.double().T
+
+
+def needs_integers(kernel: QuantMatmul) -> None:
+    if not kernel.activation_bits:
+        pytest.skip("this build has no integer path for x (it has AVX2 without AVX-512 BF16)")
+
+
+@pytest.mark.parametrize("kind", ["int16", "int8"])
+@pytest.mark.parametrize("batch", [1, 2, 3, 4, 5, 9, 33, 300])
+@pytest.mark.parametrize("shape", [(48, 96), (960, 576), (576, 1536)])
+def test_x_in_integers_gives_their_exact_products(kernel, activations, kind, batch, shape):
+    """Every tile shape (1-4 rows; 300 rows of K = 1,536 take two chunks of x), against the
+    exact sums of the same integers, rounded once; int16 against the exact product too."""
+    needs_integers(kernel)
+    activations(kind)
+    rows, cols = shape
+    q, scale, low, w = q4_weight(rows, cols, seed=batch)
+    x = (torch.randn(batch, cols, generator=torch.Generator().manual_seed(5)) * 4).bfloat16()
+    got = kernel.q4(x, QuantMatmul.pack_q4(q, scale, low), rows)
+    assert_rounded_once(got, integer_reference(x, q, scale, low, ACTIVATIONS[kind]))
+    exact = x.double() @ w.T
+    if kind == "int16":
+        assert_rounded_once(got, exact)
+    else:  # each x off by up to half a step of 1/127 of its group's largest
+        assert (got.double() - exact).norm() / exact.norm() < 0.02
+
+
+@pytest.mark.parametrize("kind", ["int16", "int8"])
+@pytest.mark.parametrize("sign", [1, -1])
+def test_the_largest_sums_do_not_overflow(kernel, activations, kind, sign):
+    """Every quant 15 and every x its group's largest: int8's 16-bit lanes reach 16 * 15 * 127
+    = 30,480 (of 32,767), int16's x its largest integer, 32,640 (255 / 128 * 2^14)."""
+    needs_integers(kernel)
+    activations(kind)
+    q = torch.full((32, 128), 15)
+    scale, low = torch.full((32, 4), 0.25), torch.zeros(32, 4)
+    x = torch.full((2, 128), sign * 255 / 128, dtype=torch.bfloat16)
+    got = kernel.q4(x, QuantMatmul.pack_q4(q, scale, low), 32)
+    exact = sign * 128 * 15 * 0.25 * 255 / 128  # 956.25, rounded once: 956
+    assert torch.equal(got, torch.full((2, 32), exact).bfloat16())
+
+
+def test_activations_are_one_of_three(kernel):
+    with pytest.raises(ValueError, match="int4"):
+        kernel.use_activations("int4")
 
 
 def test_tiles_multiply_by_exactly_the_loaded_bf16_weight(kernel):

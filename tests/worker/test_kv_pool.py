@@ -3,6 +3,7 @@ is idle, keeping whatever the engine wrote first."""
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import time
 
@@ -20,15 +21,18 @@ pytestmark = pytest.mark.skipif(
 MIB = 2**20
 
 
-def mapped_bytes(address: int) -> int:
-    """Resident bytes of this process's mapping that starts at `address` (/proc/self/smaps)."""
-    lines = open("/proc/self/smaps").read().splitlines()
-    for i, line in enumerate(lines):
-        if "-" in line.split()[0] and int(line.split("-")[0], 16) == address:
-            for entry in lines[i + 1 :]:
-                if entry.startswith("Rss:"):
-                    return int(entry.split()[1]) * 1024
-    raise AssertionError(f"no mapping at {address:#x}")
+def mapped_bytes(address: int, nbytes: int) -> int:
+    """Resident bytes of this process's memory in [address, address + nbytes), page by page
+    (mincore). /proc/self/smaps would count a whole mapping, which the kernel may have merged
+    with a neighbour of the same kind."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    page = mmap.PAGESIZE
+    assert address % page == 0
+    pages = (nbytes + page - 1) // page
+    resident = (ctypes.c_ubyte * pages)()
+    assert libc.mincore(address, nbytes, resident) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in resident) * page
 
 
 def anonymous(nbytes: int) -> np.ndarray:
@@ -42,7 +46,7 @@ def test_pool_is_zeros_and_its_pages_get_mapped():
     assert pool.shape == shape and pool.dtype == torch.bfloat16
     assert filler is not None
     assert filler.done.wait(30)
-    assert mapped_bytes(pool.data_ptr()) == pool.numel() * 2
+    assert mapped_bytes(pool.data_ptr(), pool.nbytes) == pool.nbytes
     assert not pool.any()
 
 
@@ -65,10 +69,11 @@ def test_no_pages_are_mapped_while_held():
     with filler.held():
         assert filler.start()
         time.sleep(0.3)
-        assert mapped_bytes(memory.ctypes.data) == CHUNK  # the first chunk, mapped by start()
+        # the first chunk, mapped by start()
+        assert mapped_bytes(memory.ctypes.data, memory.nbytes) == CHUNK
         assert not filler.done.is_set()
     assert filler.done.wait(30)
-    assert mapped_bytes(memory.ctypes.data) == 8 * MIB
+    assert mapped_bytes(memory.ctypes.data, memory.nbytes) == 8 * MIB
     assert filler.seconds is not None
 
 
@@ -76,7 +81,7 @@ def test_without_madvise_the_pages_are_mapped_at_once(monkeypatch):
     monkeypatch.setattr(kv_pool_module, "_libc_madvise", lambda: None)
     pool, filler = kv_pool((2, 2, 1024, 4, 64), torch.bfloat16, torch.device("cpu"))
     assert filler is None
-    assert mapped_bytes(pool.data_ptr()) == pool.numel() * 2
+    assert mapped_bytes(pool.data_ptr(), pool.nbytes) == pool.nbytes
     assert not pool.any()
 
 

@@ -16,8 +16,9 @@ its logits head is Q8_0 in the file, and `Q8Weight` serves decode-sized inputs f
 values. Both are multiplied by servelm's C kernel (`kernels/quant_matmul.c`) where it is built,
 else (int4 only) by torch's CPU int4 kernel. On a CPU with AMX tiles the C kernel serves prompts
 as well, multiplying by exactly the bf16 weight the 4-bit one stands for, and the layer then
-keeps no bf16 copy; so it does on a CPU without oneDNN's bf16 matmul, on its AVX2 path (from
-192 rows through a float32 copy of the weight made for the call).
+keeps no bf16 copy; so it does on a CPU without oneDNN's bf16 matmul, on its AVX2 path (with
+the inputs quantized to int16 per group of 32, exact but for inputs 2^7 below their group's
+largest; see `QuantMatmul.use_activations`).
 """
 
 from __future__ import annotations
@@ -101,7 +102,8 @@ ALL_ROWS = sys.maxsize
 # Without oneDNN's bf16 matmul (an AVX2-only CPU), the C kernel's AVX2 path serves every input
 # too: one layer's four matmuls, weights from memory, took 0.24 ms at 1 row, 1.4-1.5 ms at 16
 # and 2.9 ms at 32 on 2 cores of an AMD EPYC, against 2.0, 3.6 and 4.7 ms for torch's float32
-# matmul on a float32 copy (and bf16's fallback is slower still).
+# matmul on a float32 copy (and bf16's fallback is slower still); with x in int16, as it is by
+# default there, faster again (`quant_matmul.c`).
 
 
 def c_kernel_max_rows(bf16_cut: int) -> int:
