@@ -110,10 +110,10 @@ class EngineArgs:
             default="int16",
             choices=["int16", "int8", "float32"],
             help="on a CPU with AVX2 but neither AMX nor oneDNN's bf16 matmul, how the C "
-            "kernel's int4 matmuls take their inputs: quantized per group of 32 to int16 "
-            "(exact but for inputs 2^7 below their group's largest; 1.5-1.7x faster than "
-            "float32), or to int8 as llama.cpp does (2.6x, about 0.7 %% off: more answers "
-            "drift from transformers'), or in float32",
+            "kernel's int4 matmuls take inputs of 2 rows or more: quantized per group of 32 to "
+            "int16 (exact but for inputs 2^7 below their group's largest; 1.3-1.8x faster than "
+            "float32), or to int8 as llama.cpp does (faster again, about 0.7 %% off: more "
+            "answers drift from transformers'), or in float32",
         )
         g.add_argument("--max-model-len", type=int, default=None)
         g.add_argument("--max-num-seqs", type=int, default=64)

@@ -39,8 +39,8 @@
  * Products are exact, sums float32 (as torch's int4 kernel does it); y is rounded to bfloat16
  * once. With AVX2 alone (an AMD EPYC before Zen 4, say), 8-lane FMAs on quants unpacked to
  * float32 compute the same sums, in another order; with neither, plain C does. With AVX2 alone,
- * q4 by default quantizes x to int16 per group of 32 instead and multiplies in integers, at
- * every batch: exact for every x within 2^7 of its group's largest, 1.5-1.7x faster (see
+ * q4 by default quantizes x of 2 rows or more to int16 per group of 32 instead and multiplies
+ * in integers: exact for every x within 2^7 of its group's largest, 1.3-1.8x faster (see
  * q4_gemm_int below; int8, faster and lossy, is a choice).
  */
 
@@ -631,10 +631,16 @@ static void q4_gemm_amx(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_
  * every row. Sums come out in lanes of rows (0-3, 8-11) and (4-7, 12-15), the order that
  * unpacking leaves; scales and lows are loaded into it, and y is put back.
  *
- * One layer's four matmuls of the default model at 256 rows (2 cores of an AMD EPYC, weights
- * in cache): int16 16.0, int8 9.1 ms, against 23.7 ms for torch's float32 matmul on a float32
- * copy; at 16 rows 1.30 and 0.84 against 2.24 ms on the float32 path above. */
+ * One layer's four matmuls of the default model on 2 cores of an AMD EPYC, weights from memory:
+ * at 256 rows 12.5 ms in int16 against 18.9 for torch's float32 matmul on a float32 copy (5.3
+ * against 9.2 at 108 rows, 51 against 69 at 1,108); at 32 rows 1.26 ms in int16 and 0.91 in
+ * int8 against 2.32 on the float32 path above. */
 #define QX_ROWS 4                 /* rows of x a tile takes */
+/* Rows of x from which q4 takes this path. One layer's four matmuls, weights from memory
+ * (`benchmarks/quant_matmul.py`): at 1 row the float32 path, which unpacks each group straight
+ * into its FMAs, took 185 us against 225 (int16) and 178 (int8); at 2 rows 258 against 197 and
+ * 199, at 16 1,088 against 645 and 490. */
+#define QX_MIN_B 2
 #define QX_CHUNK_BYTES (128 << 10) /* of quantized x per pass over W: it stays in L2 */
 
 /* 32 bfloat16 at x -> 4 x 8 float32 lanes; returns their largest |x| and stores their sum */
@@ -925,7 +931,7 @@ void q4_matmul_bf16(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t B,
     }
 #endif
 #if Q4_INT8
-    if (q4_x_bits) {
+    if (q4_x_bits && B >= QX_MIN_B) {
         q4_gemm_int(x, w, y, B, N, K, q4_x_bits);
         return;
     }
