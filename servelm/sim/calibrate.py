@@ -58,9 +58,9 @@ LISTED_POINTS = 40  # a profile file lists each timed step only up to this many
 # With several code paths each path gets fitted shapes of its own (4 at least, as a fit needs)
 # and held-out ones inside their range. Where the default model's decode stack takes every
 # decode step (a CPU with AMX tiles, or one without oneDNN's bf16 matmul), the other path's fit
-# rests on the prefills; on an AVX2-only CPU the prefills of >= 192 tokens
-# (`wide_step_min_tokens`: float32 matmuls) have a path of their own, and the four shorter ones
-# are the other path's. Where the stack takes decodes of up to 16 requests, those of 32-48
+# rests on the prefills; on an AVX2-only CPU with x in float32 (`--int4-activations float32`)
+# the prefills of >= 192 tokens (`wide_step_min_tokens`: float32 matmuls) have a path of their
+# own, and the four shorter ones are the other path's. Where the stack takes decodes of up to 16 requests, those of 32-48
 # join the prefills.
 FIT_SHAPES = [
     ("prefill", 64, 0),
