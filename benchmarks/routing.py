@@ -23,13 +23,13 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from servelm.bench import BenchConfig, Load, WorkloadSpec, run_benchmark
+from servelm.bench.ready import wait_healthy
 from servelm.bench.workload import PromptBuilder, load_tokenizer
 
 POLICIES = ("round-robin", "prefix-aware")
@@ -52,20 +52,6 @@ def start(args: list[str], log: Path) -> tuple[subprocess.Popen[bytes], str]:
             start_new_session=True,
         )
     return proc, f"http://127.0.0.1:{port}"
-
-
-def wait_ok(url: str, proc: subprocess.Popen[bytes], timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url}: process exited with {proc.returncode}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"{url} not ready after {timeout} s")
 
 
 def kv_bytes_per_token(model_dir: Path) -> int:
@@ -115,7 +101,7 @@ def run_policy(
         flags += ["--replica", url]
     proc, url = start(flags, work / f"router-{policy}.log")
     try:
-        wait_ok(url + "/health", proc, 60)
+        wait_healthy(url + "/health", proc, 60, 0.3)
         before = {r: prefix_counters(r) for r in replicas}
         config = BenchConfig(
             base_url=url,
@@ -209,7 +195,7 @@ def main() -> int:
             procs.append(proc)
             replicas.append(url)
         for proc, url in zip(procs, replicas, strict=True):
-            wait_ok(url + "/health", proc)
+            wait_healthy(url + "/health", proc, 300, 0.3)
             httpx.post(
                 url + "/v1/completions",
                 timeout=300,  # first-forward warm-up
