@@ -606,6 +606,40 @@ static void q4_gemm_amx(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_
 }
 #endif
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+
+/* The smallest, largest and sum of 8 float32 lanes */
+INLINE float lanes_min8(__m256 x)
+{
+    float m[8];
+    _mm256_storeu_ps(m, x);
+    float r = m[0];
+    for (int k = 1; k < 8; k++)
+        r = m[k] < r ? m[k] : r;
+    return r;
+}
+
+INLINE float lanes_max8(__m256 x)
+{
+    float m[8];
+    _mm256_storeu_ps(m, x);
+    float r = m[0];
+    for (int k = 1; k < 8; k++)
+        r = m[k] > r ? m[k] : r;
+    return r;
+}
+
+INLINE float lanes_sum8(__m256 x)
+{
+    float m[8], r = 0.f;
+    _mm256_storeu_ps(m, x);
+    for (int k = 0; k < 8; k++)
+        r += m[k];
+    return r;
+}
+#endif
+
 #if Q4_INT8
 /* q4 against x quantized to integers, with AVX2's integer dot products, where the float32 FMAs
  * above multiply 8 weights an instruction. Each row of x is quantized per group of 32, and
@@ -653,15 +687,8 @@ INLINE float load_group(const uint16_t *x, __m256 v[4], float *sum)
         m = _mm256_max_ps(m, _mm256_andnot_ps(_mm256_set1_ps(-0.f), v[k]));
         s = _mm256_add_ps(s, v[k]);
     }
-    float lanes_m[8], lanes_s[8], amax = 0.f, total = 0.f;
-    _mm256_storeu_ps(lanes_m, m);
-    _mm256_storeu_ps(lanes_s, s);
-    for (int k = 0; k < 8; k++) {
-        amax = lanes_m[k] > amax ? lanes_m[k] : amax;
-        total += lanes_s[k];
-    }
-    *sum = total;
-    return amax;
+    *sum = lanes_sum8(s);
+    return lanes_max8(m);
 }
 
 INLINE float pow2f(int e) /* 2^e for e in -126..127 */
@@ -688,7 +715,7 @@ static void quantize_rows(const uint16_t *x, void *a, float *d, float *xs, int64
             int e = (int)(u >> 23) - 127; /* 2^e <= amax < 2^(e + 1) (amax normal) */
             e = e < -100 ? -100 : (e > 113 ? 113 : e); /* 2^(14 - e) a float */
             inv = amax > 0.f ? pow2f(14 - e) : 0.f;
-            d[i] = pow2f(e - 14 < -126 ? -126 : e - 14);
+            d[i] = pow2f(e - 14);
         } else {
             inv = amax > 0.f ? 127.f / amax : 0.f;
             d[i] = amax / 127.f;
@@ -811,7 +838,17 @@ INLINE void int_tile(const void *a, const float *d, const float *xs, const uint8
     }
 }
 
-#define INT_TILE(R_, BITS_) int_tile(a, d + b * G, xs + b * G, wn, yb, N, K, R_, BITS_)
+/* int_tile for `rows` (1 to QX_ROWS) rows, R a constant in each call */
+INLINE void int_tiles(const void *a, const float *d, const float *xs, const uint8_t *w,
+                      uint16_t *y, int64_t N, int64_t K, int64_t rows, const int bits)
+{
+    switch (rows) {
+    case 1: int_tile(a, d, xs, w, y, N, K, 1, bits); break;
+    case 2: int_tile(a, d, xs, w, y, N, K, 2, bits); break;
+    case 3: int_tile(a, d, xs, w, y, N, K, 3, bits); break;
+    default: int_tile(a, d, xs, w, y, N, K, 4, bits); break;
+    }
+}
 
 /* y [B, N] = x [B, K] W^T through x in integers of `bits`: x is quantized, then taken in
  * chunks that stay in L2, each chunk's tiles of rows through every block of W, the blocks
@@ -836,19 +873,9 @@ static void q4_gemm_int(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_
                 uint16_t *yb = y + b * N + n * LANES;
                 const int64_t rows = b1 - b < QX_ROWS ? b1 - b : QX_ROWS;
                 if (bits == 16)
-                    switch (rows) {
-                    case 1: INT_TILE(1, 16); break;
-                    case 2: INT_TILE(2, 16); break;
-                    case 3: INT_TILE(3, 16); break;
-                    default: INT_TILE(4, 16); break;
-                    }
+                    int_tiles(a, d + b * G, xs + b * G, wn, yb, N, K, rows, 16);
                 else
-                    switch (rows) {
-                    case 1: INT_TILE(1, 8); break;
-                    case 2: INT_TILE(2, 8); break;
-                    case 3: INT_TILE(3, 8); break;
-                    default: INT_TILE(4, 8); break;
-                    }
+                    int_tiles(a, d + b * G, xs + b * G, wn, yb, N, K, rows, 8);
             }
     }
     free(scratch);
@@ -973,26 +1000,6 @@ INLINE float on_grid(const float *v, float low, float step, int bottom, int top,
 
 #if defined(__AVX2__)
 #include <immintrin.h>
-
-INLINE float lanes_min8(__m256 x)
-{
-    float m[8];
-    _mm256_storeu_ps(m, x);
-    float r = m[0];
-    for (int k = 1; k < 8; k++)
-        r = m[k] < r ? m[k] : r;
-    return r;
-}
-
-INLINE float lanes_max8(__m256 x)
-{
-    float m[8];
-    _mm256_storeu_ps(m, x);
-    float r = m[0];
-    for (int k = 1; k < 8; k++)
-        r = m[k] > r ? m[k] : r;
-    return r;
-}
 
 INLINE int group_range(const float *v, float *lo, float *hi)
 {
