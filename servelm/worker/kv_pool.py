@@ -111,21 +111,21 @@ class PageFiller:
         except OSError:
             pass
         region = self.nbytes // self.regions
-        for offset in range(0, region, CHUNK):
-            for r in range(self.regions):
-                while self._steps or time.monotonic() < self._idle_from:
-                    time.sleep(IDLE_S / 2)
-                if not self._populate(r * region + offset, min(CHUNK, region - offset)):
-                    logger.warning("KV pool: madvise failed; the rest is mapped on first write")
-                    self.memory = None
-                    self.done.set()
-                    return
-        self.seconds = time.perf_counter() - t0
-        logger.debug(
-            "KV pool: %.0f MiB of pages mapped in %.2f s", self.nbytes / 2**20, self.seconds
-        )
-        self.memory = None
-        self.done.set()
+        try:
+            for offset in range(0, region, CHUNK):
+                for r in range(self.regions):
+                    while self._steps or time.monotonic() < self._idle_from:
+                        time.sleep(IDLE_S / 2)
+                    if not self._populate(r * region + offset, min(CHUNK, region - offset)):
+                        logger.warning("KV pool: madvise failed; the rest is mapped on first write")
+                        return
+            self.seconds = time.perf_counter() - t0
+            logger.debug(
+                "KV pool: %.0f MiB of pages mapped in %.2f s", self.nbytes / 2**20, self.seconds
+            )
+        finally:  # done or failed, the thread lets go of the mapping
+            self.memory = None
+            self.done.set()
 
 
 def _libc_madvise():
