@@ -169,6 +169,16 @@ INLINE __m256 load_bf16_8(const uint16_t *p)
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 
+/* The sum of 8 float32 lanes, added in lane order */
+INLINE float lanes_sum8(__m256 v)
+{
+    float lanes[8], total = 0.f;
+    _mm256_storeu_ps(lanes, v);
+    for (int k = 0; k < 8; k++)
+        total += lanes[k];
+    return total;
+}
+
 /* 8 float32 lanes -> their bfloat16 bits in the high halves of 32-bit lanes, rounded as
  * float_to_bf16 rounds (to nearest even; a NaN stays a NaN) */
 INLINE __m256i bf16_bits_8(__m256 v)

@@ -125,14 +125,7 @@ typedef __m256 vec;
 #define V_FMA _mm256_fmadd_ps
 #define V_SET1 _mm256_set1_ps
 #define V_ZERO _mm256_setzero_ps
-INLINE float V_SUM(__m256 v)
-{
-    float lanes[8], total = 0.f;
-    _mm256_storeu_ps(lanes, v);
-    for (int k = 0; k < 8; k++)
-        total += lanes[k];
-    return total;
-}
+#define V_SUM lanes_sum8
 #endif
 
 #ifdef LANES_

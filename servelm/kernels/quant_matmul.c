@@ -609,7 +609,7 @@ static void q4_gemm_amx(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_
 #if defined(__AVX2__)
 #include <immintrin.h>
 
-/* The smallest, largest and sum of 8 float32 lanes */
+/* The smallest and largest of 8 float32 lanes */
 INLINE float lanes_min8(__m256 x)
 {
     float m[8];
@@ -627,15 +627,6 @@ INLINE float lanes_max8(__m256 x)
     float r = m[0];
     for (int k = 1; k < 8; k++)
         r = m[k] > r ? m[k] : r;
-    return r;
-}
-
-INLINE float lanes_sum8(__m256 x)
-{
-    float m[8], r = 0.f;
-    _mm256_storeu_ps(m, x);
-    for (int k = 0; k < 8; k++)
-        r += m[k];
     return r;
 }
 #endif
@@ -682,8 +673,7 @@ INLINE float load_group(const uint16_t *x, __m256 v[4], float *sum)
 {
     __m256 m = _mm256_setzero_ps(), s = _mm256_setzero_ps();
     for (int k = 0; k < 4; k++) {
-        const __m128i h = _mm_loadu_si128((const __m128i *)(x + 8 * k));
-        v[k] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+        v[k] = load_bf16_8(x + 8 * k);
         m = _mm256_max_ps(m, _mm256_andnot_ps(_mm256_set1_ps(-0.f), v[k]));
         s = _mm256_add_ps(s, v[k]);
     }
