@@ -93,8 +93,8 @@ def test_each_chunk_reaches_the_client_within_10ms(front: Proc) -> None:
     # Router, replica and client share 2 cores with whatever else runs on the machine, and a
     # client that loses the CPU for 50 ms sees every chunk of those 50 ms late, though the router
     # passed each on at once. So a run is repeated (up to five) until one shows the client kept
-    # up, and the best run by share of chunks within 10 ms is the one judged. The router's own
-    # histogram (receive to hand-on) is judged over every run.
+    # up, and the best run is judged: first token in time, then the share of chunks within
+    # 10 ms. The router's own histogram (receive to hand-on) is judged over every run.
     runs = []
     for _ in range(5):
         delays, first_text = chunk_delays_ms(front)
@@ -102,10 +102,10 @@ def test_each_chunk_reaches_the_client_within_10ms(front: Proc) -> None:
         runs.append(delay_stats(delays, first_text))
         if runs[-1]["first_token_ms"] <= 10.0 and runs[-1]["share_within_10ms"] >= 0.95:
             break
-    best = max(runs, key=lambda r: r["share_within_10ms"])
+    best = max(runs, key=lambda r: (r["first_token_ms"] <= 10.0, r["share_within_10ms"]))
     router_share = round(forward_share_within(front, 0.01), 3)
     print(json.dumps({"runs": len(runs), **best, "router_forward_within_10ms": router_share}))
-    assert min(r["first_token_ms"] for r in runs) <= 10.0
+    assert best["first_token_ms"] <= 10.0
     assert best["p50_ms"] <= 10.0
     assert best["share_within_10ms"] >= 0.8
     assert router_share >= 0.9  # the router itself never sits on a chunk
