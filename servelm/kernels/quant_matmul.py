@@ -78,9 +78,10 @@ class QuantMatmul:
     def use_activations(self, kind: str) -> None:
         """How q4 takes x, where this build has integer paths (see the C file): "int16" (the
         default; exact but for x far below its group's largest), "int8" (1.2-1.4x faster again
-        at 8-32 rows, and about 0.7 % off), or "float32". Elsewhere (AMX, AVX-512 BF16, no
-        AVX2) x stays as it is, whatever is asked. For the whole process, which loads the
-        library once."""
+        at 8-32 rows, and about 0.7 % off), or "float32". q8 (the logits head) takes x as int16
+        under either integer width, and in float32 under "float32". Elsewhere (AMX, AVX-512
+        BF16, no AVX2) x stays as it is, whatever is asked. For the whole process, which loads
+        the library once."""
         if kind not in ACTIVATIONS:
             raise ValueError(f"activations {kind!r}: choose one of {', '.join(ACTIVATIONS)}")
         self._set_bits(self._activation_bits(ACTIVATIONS[kind]))

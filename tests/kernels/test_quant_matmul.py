@@ -156,12 +156,15 @@ def quantized_x(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def integer_reference(x, q, scale, low, bits) -> torch.Tensor:
-    """y = sum_g scale * d * sum_j q_j a_j + low * sum_j x_j, exactly (float64)."""
+    """y = sum_g scale * d * sum_j q_j a_j + low * sum_j x_j, exactly (float64); q8 has no
+    low (None)."""
     a, d = quantized_x(x, bits)
     B, K = x.shape
     dots = torch.einsum("bgj,ngj->bng", a.double(), q.double().view(-1, K // 32, 32))
-    sums = x.double().view(B, K // 32, 32).sum(-1)
-    return (dots * scale.double() * d.double().view(B, 1, -1)).sum(-1) + sums @ low.double().T
+    y = (dots * scale.double() * d.double().view(B, 1, -1)).sum(-1)
+    if low is None:
+        return y
+    return y + x.double().view(B, K // 32, 32).sum(-1) @ low.double().T
 
 
 def needs_integers(kernel: QuantMatmul) -> None:
@@ -325,6 +328,49 @@ def test_q8_matches_the_exact_product(kernel, batch, shape):
     got = kernel.q8(x, QuantMatmul.pack_q8(q, scale), rows)
     assert got.shape == (batch, rows)
     assert_rounded_once(got, x.double() @ w.T)
+
+
+@pytest.mark.parametrize("kind", ["int16", "int8"])
+@pytest.mark.parametrize("batch", [2, 3, 5, 16, 33, 300])
+@pytest.mark.parametrize("shape", [(48, 96), (4096, 576)])
+def test_q8_takes_x_as_int16_whichever_width_q4_takes(kernel, activations, kind, batch, shape):
+    """The logits head from 2 rows: the exact sums of x quantized to int16 (int8 would cost the
+    logits 0.7 %), rounded once; every tile shape, and two chunks of x at 300 rows."""
+    needs_integers(kernel)
+    activations(kind)
+    rows, cols = shape
+    q, scale, w = q8_weight(rows, cols, seed=batch)
+    x = (torch.randn(batch, cols, generator=torch.Generator().manual_seed(5)) * 4).bfloat16()
+    got = kernel.q8(x, QuantMatmul.pack_q8(q, scale), rows)
+    assert_rounded_once(got, integer_reference(x, q, scale, None, 16))
+    assert_rounded_once(got, x.double() @ w.T)
+
+
+def test_q8_in_float32_keeps_what_int16_rounds_away(kernel, activations):
+    """x of 2^-12 in a group whose largest is 2^4 is 2^-4 of int16's step: with x in integers it
+    counts for nothing; with activations float32 the head multiplies x as it is."""
+    needs_integers(kernel)
+    q = torch.zeros(16, 32, dtype=torch.long)
+    q[:, 1:] = 100  # every input but the large first one
+    scale = torch.full((16, 1), 0.5)
+    x = torch.full((2, 32), 2.0**-12).bfloat16()
+    x[:, 0] = 16.0
+    packed = QuantMatmul.pack_q8(q, scale)
+    assert not kernel.q8(x, packed, 16).any()
+    activations("float32")
+    assert torch.equal(kernel.q8(x, packed, 16), torch.full((2, 16), 31 * 50 * 2.0**-12).bfloat16())
+
+
+@pytest.mark.parametrize("sign", [1, -1])
+def test_q8_largest_sums_do_not_overflow(kernel, sign):
+    """Every quant 127 and every x its group's largest integer (32,640): a lane sums 32
+    products of 4.1 M, 133 M of int32's 2,147 M."""
+    needs_integers(kernel)
+    q, scale = torch.full((16, 128), 127), torch.full((16, 4), 0.25)
+    x = torch.full((2, 128), sign * 255 / 128, dtype=torch.bfloat16)
+    got = kernel.q8(x, QuantMatmul.pack_q8(q, scale), 16)
+    exact = sign * 128 * 127 * 0.25 * 255 / 128  # 8,096.25, rounded once: 8,096
+    assert torch.equal(got, torch.full((2, 16), exact).bfloat16())
 
 
 @pytest.mark.parametrize("batch", [1, 3])
