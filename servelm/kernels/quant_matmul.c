@@ -859,10 +859,10 @@ INLINE void int_tile(const void *a, const float *d, const float *xs, const uint8
             }
         }
     }
-    for (int r = 0; r < R; r++) {
-        store_bf16_8(y + r * N, q8 ? acc[r][0] : _mm256_permute2f128_ps(acc[r][0], acc[r][1], 0x20));
-        store_bf16_8(y + r * N + 8,
-                     q8 ? acc[r][1] : _mm256_permute2f128_ps(acc[r][0], acc[r][1], 0x31));
+    for (int r = 0; r < R; r++) { /* q4's lanes back into the rows' order */
+        const __m256 a0 = acc[r][0], a1 = acc[r][1];
+        store_bf16_8(y + r * N, q8 ? a0 : _mm256_permute2f128_ps(a0, a1, 0x20));
+        store_bf16_8(y + r * N + 8, q8 ? a1 : _mm256_permute2f128_ps(a0, a1, 0x31));
     }
 }
 
