@@ -20,6 +20,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def engine_child(api_pid: int) -> int | None:
+    """The engine-core child of a `servelm serve` process (spawned by multiprocessing), if it
+    has one yet."""
+    for pid in Path(f"/proc/{api_pid}/task/{api_pid}/children").read_text().split():
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except FileNotFoundError:  # exited since the listing
+            continue
+        if b"multiprocessing" in cmdline and b"resource_tracker" not in cmdline:
+            return int(pid)
+    return None
+
+
 class LiveServer:
     def __init__(
         self,
@@ -61,11 +74,10 @@ class LiveServer:
 
     def engine_pid(self) -> int:
         """The engine-core child process (spawned by multiprocessing)."""
-        for pid in Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split():
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            if b"multiprocessing" in cmdline and b"resource_tracker" not in cmdline:
-                return int(pid)
-        raise RuntimeError("engine process not found")
+        pid = engine_child(self.proc.pid)
+        if pid is None:
+            raise RuntimeError("engine process not found")
+        return pid
 
     def metrics(self) -> dict[str, float]:
         """Prometheus samples as {'name{labels}': value}, plus {'name': value} summed over labels."""

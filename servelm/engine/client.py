@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import os
 import shutil
 import tempfile
 import time
@@ -77,7 +78,7 @@ class AsyncEngineClient:
         self._proc = mp.Process(
             target=run_engine_core,
             name="servelm-engine-core",
-            args=(args, in_addr, out_addr, logging.getLogger().level or logging.INFO),
+            args=(args, in_addr, out_addr, logging.getLogger().level or logging.INFO, os.getpid()),
             daemon=True,
         )
         self._proc.start()

@@ -43,9 +43,18 @@ def bound_openmp_spin() -> None:
 
 
 def run_engine_core(
-    args: EngineArgs, input_addr: str, output_addr: str, log_level: int = logging.INFO
+    args: EngineArgs,
+    input_addr: str,
+    output_addr: str,
+    log_level: int = logging.INFO,
+    api_pid: int | None = None,
 ) -> None:
-    """Process entry point. Builds the engine (loads the model) and serves until shutdown."""
+    """Process entry point. Builds the engine (loads the model) and serves until shutdown, or
+    until the API process `api_pid` (the one that started it; default: the parent now) is
+    gone. It is named by the API process, not read in the loop: a parent killed before the loop
+    began (loading the model, or in the moment after "ready") would leave the engine with
+    init's pid as its "parent", and running for good."""
+    api_pid = api_pid or os.getppid()
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ctx = zmq.Context()
     inputs = ctx.socket(zmq.PULL)
@@ -82,7 +91,7 @@ def run_engine_core(
         # "ready": the collection (0.1 s here) overlaps the API process opening its port.
         gc.collect()
         gc.freeze()
-        _loop(core, inputs, outputs, trace)
+        _loop(core, inputs, outputs, api_pid, trace)
     except Exception as exc:  # report, then die: the API process turns this into errors + 503
         logger.exception("engine core failed")
         outputs.send(encode("error", f"{type(exc).__name__}: {exc}"))
@@ -90,19 +99,22 @@ def run_engine_core(
     finally:
         if trace is not None:
             trace.close()
-        outputs.close(linger=1000)
+        outputs.close(linger=1000 if os.getppid() == api_pid else 0)  # 0: no one to read
         inputs.close(linger=0)
         ctx.term()
 
 
 def _loop(
-    core, inputs: zmq.Socket, outputs: zmq.Socket, trace: StepTraceWriter | None = None
+    core,
+    inputs: zmq.Socket,
+    outputs: zmq.Socket,
+    api_pid: int,
+    trace: StepTraceWriter | None = None,
 ) -> None:
     poller = zmq.Poller()
     poller.register(inputs, zmq.POLLIN)
-    parent = os.getppid()
     while True:
-        if os.getppid() != parent:  # the API process is gone (even SIGKILLed): do not linger
+        if os.getppid() != api_pid:  # the API process is gone (even SIGKILLed): do not linger
             logger.warning("API process exited; engine core shutting down")
             return
         busy = core.has_unfinished_requests()
