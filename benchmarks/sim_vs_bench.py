@@ -57,11 +57,6 @@ SERVELM = [sys.executable, "-m", "servelm.cli"]
 TOLERANCE = 0.25
 
 
-# Calibration rates, as fractions of a first profile's capacity, where the given rates overload
-# the server (see the first calibration pass below)
-CAPACITY_FRACTIONS = (0.15, 0.45, 0.75, 1.05)
-
-
 def sh(cmd: list[str], log: Path) -> str:
     """Run a servelm command, tee its output into `log`, return stdout; raise on failure."""
     print("$", " ".join(cmd[2:] if cmd[:2] == SERVELM[:2] else cmd), flush=True)
@@ -112,9 +107,7 @@ def main() -> int:
                     help="fit to a loaded server's step trace (default) or time the engine "
                     "alone in this process")  # fmt: skip
     ap.add_argument("--calibration-rates", default="2,5,8,11",
-                    help="req/s of the calibration load (serve): from light load to about "
-                    "capacity; where the first pass's profile puts capacity below 2/3 of the "
-                    "highest, the pass is redone at CAPACITY_FRACTIONS of that capacity")  # fmt: skip
+                    help="req/s of the calibration load (serve): from light load to about capacity")  # fmt: skip
     ap.add_argument("--calibration-requests", type=int, default=32, help="per calibration rate")
     ap.add_argument("--calibrate-seconds", type=float, default=60.0, help="inprocess only")
     ap.add_argument(
@@ -175,7 +168,7 @@ def main() -> int:
         def calibration_pass(i: int) -> tuple[Path, Path]:
             """A calibration load, its bench results and the steps it traced."""
             start = len(traced_lines(trace))
-            results = bench(f"calibration_bench_{i}.json", calibration_rates,
+            results = bench(f"calibration_bench_{i}.json", args.calibration_rates,
                             args.calibration_requests, args.seed + 1000 * i)  # fmt: skip
             time.sleep(0.5)  # the engine writes a step's line just after sending its tokens
             steps = out / f"calibration_trace_{i}.jsonl"
@@ -187,18 +180,6 @@ def main() -> int:
                      ("--calibrate-trace", str(steps), "--calibrate-bench", str(results))]  # fmt: skip
             sh([*SERVELM, "simulate", *sim_engine, *files, "--profile-out", str(profile)], log)
 
-        def simulated_capacity() -> float:
-            text = sh([*SERVELM, "simulate", *sim_engine, "--profile", str(profile), *workload,
-                       "--find-capacity", "--num-requests", "400",
-                       "--slo-ttft-ms", f"{args.capacity_slo_ttft_ms:g}",
-                       "--slo-threshold", "0.9"], log)  # fmt: skip
-            m = re.search(r"capacity of one replica: ([\d.]+) req/s", text)
-            if not m:
-                raise RuntimeError(f"no capacity in simulate output:\n{text}")
-            return float(m.group(1))
-
-        calibration_rates = args.calibration_rates
-
         # 2. calibrate
         profile = Path(args.profile) if args.profile else out / "cpu_profile.json"
         passes = []
@@ -209,17 +190,6 @@ def main() -> int:
         elif args.profile is None:
             passes.append(calibration_pass(1))
             fit(passes)
-            # Far past capacity, the calibration steps are the large ones of a long queue, and
-            # the profile then misprices the smaller steps of the measured rates (an AVX2-only
-            # CPU at the Intel VM's rates: +26 .. +85 %; calibrated around its own capacity:
-            # +17 .. +27 %). Calibrate again around the capacity this first profile gives.
-            highest = max(map(float, calibration_rates.split(",")))
-            if (first := simulated_capacity()) < highest * 2 / 3:
-                calibration_rates = ",".join(f"{f * first:.2f}" for f in CAPACITY_FRACTIONS)
-                print(f"first calibration's capacity {first} req/s: calibrating at "
-                      f"{calibration_rates} instead")  # fmt: skip
-                passes = [calibration_pass(1)]
-                fit(passes)
         profile_args = ["--profile", str(profile)]
         t_cal = time.perf_counter()
 
@@ -228,7 +198,14 @@ def main() -> int:
             rates = [float(r) for r in args.rates.split(",")]
             capacity = None
         else:
-            capacity = simulated_capacity()
+            text = sh([*SERVELM, "simulate", *sim_engine, *profile_args, *workload,
+                       "--find-capacity", "--num-requests", "400",
+                       "--slo-ttft-ms", f"{args.capacity_slo_ttft_ms:g}",
+                       "--slo-threshold", "0.9"], log)  # fmt: skip
+            m = re.search(r"capacity of one replica: ([\d.]+) req/s", text)
+            if not m:
+                raise RuntimeError(f"no capacity in simulate output:\n{text}")
+            capacity = float(m.group(1))
             rates = [round(f * capacity, 2) for f in map(float, args.fractions.split(","))]
         sweep = ",".join(f"{r:g}" for r in rates)
         print(f"KV blocks {num_blocks}; simulated capacity {capacity} req/s; rates {sweep}")
@@ -317,7 +294,7 @@ def main() -> int:
         "model": str(model_dir),
         "profile": str(profile),
         "calibration": None if args.profile else args.calibration,
-        "calibration_rates": calibration_rates if args.calibration == "serve" else None,
+        "calibration_rates": args.calibration_rates if args.calibration == "serve" else None,
         "calibrate_clock": args.calibrate_clock if args.calibration == "inprocess" else None,
         "profile_fit": fit_report,
         "workload": {
