@@ -47,6 +47,25 @@ def test_parse_strips_prefix_total_and_created() -> None:
     assert snapshot.ttft_buckets == {0.1: 1, 0.2: 2, 0.4: 2, math.inf: 2}
 
 
+def test_parse_reads_only_what_the_report_uses() -> None:
+    """Other histograms (a server has several) are left out before parsing, the rest kept."""
+    other = CollectorRegistry()
+    latency = Histogram("servelm:e2e_request_latency_seconds", "e", registry=other)
+    latency.observe(0.3)
+    Gauge("servelm:num_requests_running", "r", registry=other).set(4)
+    text = registry_text(10, 3, 8, [0.05, 0.15]) + generate_latest(other).decode()
+    snapshot = parse_metrics(text)
+    assert snapshot is not None
+    assert snapshot.values == {
+        "prompt_tokens": 10,
+        "prefix_cache_hits": 3,
+        "prefix_cache_queries": 8,
+        "kv_cache_usage_perc": 0.5,
+        "num_requests_running": 4,
+    }
+    assert snapshot.ttft_buckets == {0.1: 1, 0.2: 2, 0.4: 2, math.inf: 2}
+
+
 def test_parse_vllm_names_and_aliases() -> None:
     snapshot = parse_metrics(VLLM_TEXT)
     assert snapshot is not None and snapshot.prefix == "vllm"
