@@ -879,13 +879,12 @@ INLINE void int_tiles(const void *a, const float *d, const float *xs, const uint
     }
 }
 
-/* y [B, N] = x [B, K] W^T through x in integers of `bits` (q4), or of 16 bits (q8): x is
+/* y [B, N] = x [B, K] W^T through x in integers of `bits` (q4; q8 takes 16 only): x is
  * quantized, then taken in chunks that stay in L2, each chunk's tiles of rows through every
  * block of W, the blocks split between the threads. */
 static void gemm_int(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t B, int64_t N,
                      int64_t K, int bits, int q8)
 {
-    bits = q8 ? 16 : bits;
     const int64_t G = K / GROUP, row_bytes = 2 * K; /* int16, or int8 pairs twice */
     const int64_t block_bytes = G * (q8 ? Q8_BYTES : Q4_BYTES);
     char *scratch = malloc((size_t)(B * (row_bytes + 2 * G * (int64_t)sizeof(float))));
@@ -903,7 +902,7 @@ static void gemm_int(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t B
                 const uint8_t *wn = w + n * block_bytes;
                 uint16_t *yb = y + b * N + n * LANES;
                 const int64_t rows = b1 - b < QX_ROWS ? b1 - b : QX_ROWS;
-                if (q8)
+                if (q8) /* bits and q8 constants in each call, for the tile's inlining */
                     int_tiles(a, d + b * G, xs + b * G, wn, yb, N, K, rows, 16, 1);
                 else if (bits == 16)
                     int_tiles(a, d + b * G, xs + b * G, wn, yb, N, K, rows, 16, 0);
