@@ -78,7 +78,7 @@ class AsyncEngineClient:
         self._proc = mp.Process(
             target=run_engine_core,
             name="servelm-engine-core",
-            args=(args, in_addr, out_addr, logging.getLogger().level or logging.INFO, os.getpid()),
+            args=(args, in_addr, out_addr, os.getpid(), logging.getLogger().level or logging.INFO),
             daemon=True,
         )
         self._proc.start()

@@ -46,15 +46,14 @@ def run_engine_core(
     args: EngineArgs,
     input_addr: str,
     output_addr: str,
+    api_pid: int,
     log_level: int = logging.INFO,
-    api_pid: int | None = None,
 ) -> None:
     """Process entry point. Builds the engine (loads the model) and serves until shutdown, or
-    until the API process `api_pid` (the one that started it; default: the parent now) is
-    gone. It is named by the API process, not read in the loop: a parent killed before the loop
-    began (loading the model, or in the moment after "ready") would leave the engine with
-    init's pid as its "parent", and running for good."""
-    api_pid = api_pid or os.getppid()
+    until the API process `api_pid`, which started it, is gone. It is named by the API process,
+    not read here: a parent killed before this process read it (loading the model, or in the
+    moment after "ready") would leave init's pid as the "parent", and the engine running for
+    good."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ctx = zmq.Context()
     inputs = ctx.socket(zmq.PULL)
