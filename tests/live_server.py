@@ -41,7 +41,9 @@ class LiveServer:
         port: int | None = None,
         startup_timeout: float = 120.0,
         env: dict[str, str] | None = None,
+        wait: bool = True,
     ) -> None:
+        """Starts the server; with `wait`, returns once /health answers 200."""
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"servelm-test-{self.port}.log"
@@ -59,6 +61,8 @@ class LiveServer:
         self.proc = subprocess.Popen(
             cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
         )
+        if not wait:
+            return
         try:
             wait_healthy(self.url + "/health", self.proc, startup_timeout, 0.2, self.log)
         except RuntimeError:

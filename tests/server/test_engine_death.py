@@ -2,14 +2,12 @@
 
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 
-from tests.live_server import LiveServer, engine_child, free_port
+from tests.live_server import LiveServer, engine_child
 
 
 @pytest.fixture
@@ -76,24 +74,18 @@ def wait_until_dead(pid: int, seconds: float) -> bool:
 def test_engine_exits_when_the_api_process_is_killed_while_it_loads(tiny_model_dir):
     """Killed before the engine's loop began, the API process once left the engine running for
     good: the loop took its parent pid when it began, by then init's. (The test above caught it
-    about once in 30 runs: when the kill fell in the 0.1 s between "ready" and the loop.)"""
-    cmd = [sys.executable, "-m", "servelm.cli", "serve", str(tiny_model_dir)]
-    api = subprocess.Popen(
-        [*cmd, "--port", str(free_port()), "--kv-cache-memory", "4MiB"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    in 2 of 36 kills here: when the kill fell in the 0.1 s between "ready" and the loop.)"""
+    srv = LiveServer(tiny_model_dir, "--kv-cache-memory", "4MiB", wait=False)
     engine = None
     try:
         deadline = time.time() + 30
-        while (engine := engine_child(api.pid)) is None and time.time() < deadline:
+        while (engine := engine_child(srv.proc.pid)) is None and time.time() < deadline:
             time.sleep(0.01)
         assert engine is not None, "no engine process started"
-        api.kill()  # the engine is still importing torch and loading the model
-        api.wait()
+        srv.stop(signal.SIGKILL)  # the engine is still importing torch and loading the model
         assert wait_until_dead(engine, 30), "the engine outlived its API process"
     finally:
-        api.kill()
+        srv.stop(signal.SIGKILL)
         if engine is not None and engine_alive(engine):
             os.kill(engine, signal.SIGKILL)
 
