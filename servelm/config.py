@@ -113,7 +113,8 @@ class EngineArgs:
             "kernel's int4 matmuls take inputs of 2 rows or more: quantized per group of 32 to "
             "int16 (exact but for inputs 2^7 below their group's largest; 1.3-1.8x faster than "
             "float32), or to int8 as llama.cpp does (faster again, about 0.7 %% off: more "
-            "answers drift from transformers'), or in float32",
+            "answers drift from transformers'), or in float32; the Q8_0 logits head takes "
+            "int16 under either integer width",
         )
         g.add_argument("--max-model-len", type=int, default=None)
         g.add_argument("--max-num-seqs", type=int, default=64)

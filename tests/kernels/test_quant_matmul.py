@@ -347,8 +347,8 @@ def test_q8_takes_x_as_int16_whichever_width_q4_takes(kernel, activations, kind,
 
 
 def test_q8_in_float32_keeps_what_int16_rounds_away(kernel, activations):
-    """x of 2^-12 in a group whose largest is 2^4 is 2^-4 of int16's step: with x in integers it
-    counts for nothing; with activations float32 the head multiplies x as it is."""
+    """x of 2^-12 in a group whose largest is 2^4 is a quarter of int16's step (2^(4 - 14)):
+    with x in integers it rounds to 0; with activations float32 the head multiplies x as it is."""
     needs_integers(kernel)
     q = torch.zeros(16, 32, dtype=torch.long)
     q[:, 1:] = 100  # every input but the large first one
