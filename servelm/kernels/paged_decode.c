@@ -325,17 +325,19 @@ attend_heads_g(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cac
                float *total, int64_t G, int D)
 {
     switch (G) {
+#define ATTEND(G_, D_)                                                                         \
+    attend_heads(q, k_cache, v_cache, table, len, block_size, row, h0, nh, scale, out, scores, \
+                 qf, acc, total, G_, D_)
 #define CASE(G_)                                                                               \
     case G_:                                                                                   \
         if (D == 64)                                                                           \
-            attend_heads(q, k_cache, v_cache, table, len, block_size, row, h0, nh, scale, out, \
-                         scores, qf, acc, total, G_, 64);                                      \
+            ATTEND(G_, 64);                                                                    \
         else                                                                                   \
-            attend_heads(q, k_cache, v_cache, table, len, block_size, row, h0, nh, scale, out, \
-                         scores, qf, acc, total, G_, D);                                       \
+            ATTEND(G_, D);                                                                     \
         break;
         CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
 #undef CASE
+#undef ATTEND
     }
 }
 #else
