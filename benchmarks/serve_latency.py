@@ -23,6 +23,7 @@ import json
 import math
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -55,19 +56,29 @@ WEIGHTS_LINE = re.compile(
 
 
 class Server:
-    """`servelm serve` in a child process, logging to a file; stop() ends it (SIGTERM, then kill)."""
+    """`servelm serve` in a child process, logging to a file; stop() ends it (SIGTERM, then kill).
 
-    def __init__(self, model_dir: Path, extra: list[str], log: Path) -> None:
+    `peer`, a command line with `{port}` in it (and optionally `{model}`, the model folder),
+    starts another OpenAI-compatible server instead, e.g. llama.cpp's
+    `llama-server -m model.gguf --port {port}`: it is ready once GET /v1/models answers, and
+    it serves whatever model name it lists (`model_name`)."""
+
+    def __init__(self, model_dir: Path, extra: list[str], log: Path, peer: str | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
-        cmd = [sys.executable, "-m", "servelm.cli", "serve", str(model_dir)]
-        cmd += ["--port", str(self.port), "--served-model-name", MODEL_NAME, *extra]
+        if peer is None:
+            cmd = [sys.executable, "-m", "servelm.cli", "serve", str(model_dir)]
+            cmd += ["--port", str(self.port), "--served-model-name", MODEL_NAME, *extra]
+            self.ready_path, self.model_name = "/health", MODEL_NAME
+        else:
+            cmd = shlex.split(peer.format(port=self.port, model=model_dir))
+            self.ready_path, self.model_name = "/v1/models", None
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout_s: float) -> None:
-        wait_healthy(self.url + "/health", self.proc, timeout_s, 0.5, self.tail)
+        wait_healthy(self.url + self.ready_path, self.proc, timeout_s, 0.5, self.tail)
 
     def tail(self, chars: int = 3000) -> str:
         return self.log.read_text(errors="replace")[-chars:]

@@ -2,6 +2,8 @@
 
     .venv/bin/python benchmarks/workloads.py [--model DIR] [--only W1,W2,W3,prefix,startup]
         [--serve-arg=--num-threads=2 ...] [--out workloads.json]
+    .venv/bin/python benchmarks/workloads.py --only W1,W2,W3,startup \
+        --peer 'llama-server -m SmolLM2-135M-Instruct.Q4_1.gguf --port {port} -t 2 -np 16'
 
 Each workload gets its own server (started, measured, stopped), so no run is helped by an
 earlier run's prefix cache. Requests go to /v1/completions, greedy, EOS ignored so every answer
@@ -16,6 +18,11 @@ has exactly the output length, as `servelm bench` sends them:
              the packed weights a store model keeps from its last start (they are removed, as
              right after `servelm fetch`; the start makes and keeps them), and a second start
              right after (reading them; model files and Python modules in the page cache)
+
+`--peer` runs the same workloads, with the same prompts, against another OpenAI-compatible
+server started from the command line given (`{port}` is filled in; `{model}` is the model
+folder), so that a peer is measured on the same machine by the same client; the prefix pair is
+servelm's own (it toggles `--no-prefix-caching`) and is left out then.
 
 Prints one table and writes every number (plus the full bench results) to `--out`.
 """
@@ -51,7 +58,7 @@ PREFIX = {"output_len": 32, "num_requests": 16, "concurrency": 1}
 def bench(server: Server, model_dir: Path, workload: WorkloadSpec, n: int, c: int, seed: int):
     config = BenchConfig(
         base_url=server.url,
-        model=MODEL_NAME,
+        model=server.model_name,
         endpoint="completions",
         workload=workload,
         tokenizer=str(model_dir),
@@ -68,14 +75,18 @@ def row(name: str, run: Any) -> dict[str, Any]:
         "workload": name,
         "completed": s["completed"],
         "failed": s["failed"],
+        "input_tokens": s["input_tokens"],  # as the server counted them where it said
+        "output_tokens": s["output_tokens"],  # a peer that stops at EOS early shows here
         "output_throughput": s["output_throughput"],
         "ttft_ms": {q: s["ttft_ms"][q] for q in ("p50", "p99")},
         "tpot_ms": {q: s["tpot_ms"][q] for q in ("p50", "p99")},
     }
 
 
-def first_answer_s(model_dir: Path, extra: list[str], log: Path, timeout_s: float) -> float:
-    """Seconds from launching `servelm serve` until a completion request is answered.
+def first_answer_s(
+    model_dir: Path, extra: list[str], log: Path, timeout_s: float, peer: str | None = None
+) -> float:
+    """Seconds from launching `servelm serve` (or `peer`) until a completion request is answered.
 
     One client asks every 50 ms. (`httpx.post` makes a client, and with it an SSL context,
     per call: 34 ms of CPU per attempt here, which took 40 % of one of the two cores away from
@@ -83,11 +94,11 @@ def first_answer_s(model_dir: Path, extra: list[str], log: Path, timeout_s: floa
     """
     client = httpx.Client(timeout=5)
     t0 = time.perf_counter()
-    server = Server(model_dir, extra, log)
+    server = Server(model_dir, extra, log, peer)
     try:
         while time.perf_counter() - t0 < timeout_s:
             if server.proc.poll() is not None:
-                raise RuntimeError(f"servelm serve exited:\n{server.tail()}")
+                raise RuntimeError(f"the server exited:\n{server.tail()}")
             try:
                 r = client.post(
                     server.url + "/v1/completions",
@@ -112,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("workloads.json"))
     p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--peer", help="another server's command line, with {port}: see above")
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     wanted = {w.strip() for w in args.only.split(",") if w.strip()}
@@ -128,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
 
     def serve_and_bench(name: str, workload: WorkloadSpec, n: int, c: int, extra: list[str]):
-        server = Server(model_dir, args.serve_arg + extra, work / f"{name}.log")
+        server = Server(model_dir, args.serve_arg + extra, work / f"{name}.log", args.peer)
         try:
             server.wait_ready(args.startup_timeout)
             run = bench(server, model_dir, workload, n, c, args.seed)
@@ -139,16 +151,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: done ({server.weights()})", flush=True)
 
     if "startup" in wanted:
-        shutil.rmtree(Path(model_dir) / PACKED_FOLDER, ignore_errors=True)
+        if args.peer is None:
+            shutil.rmtree(Path(model_dir) / PACKED_FOLDER, ignore_errors=True)
         for label in ("first", "second"):
             log = work / f"startup-{label}.log"
-            startup[label] = first_answer_s(model_dir, args.serve_arg, log, args.startup_timeout)
+            startup[label] = first_answer_s(
+                model_dir, args.serve_arg, log, args.startup_timeout, args.peer
+            )
             print(f"startup ({label}): {startup[label]:.2f} s", flush=True)
     for name, w in WORKLOADS.items():
         if name in wanted:
             spec = WorkloadSpec(input_len=w["input_len"], output_len=w["output_len"])
             serve_and_bench(name, spec, w["num_requests"], w["concurrency"], [])
-    if "prefix" in wanted:
+    if "prefix" in wanted and args.peer is not None:
+        print("prefix: left out (it toggles servelm's --no-prefix-caching)", flush=True)
+    elif "prefix" in wanted:
         spec = WorkloadSpec.from_preset("shared-prefix", output_len=PREFIX["output_len"])
         n, c = PREFIX["num_requests"], PREFIX["concurrency"]
         serve_and_bench("prefix-cache", spec, n, c, [])
@@ -158,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{model_dir.name}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
         f"load average {load_before[0]:.1f} before / {os.getloadavg()[0]:.1f} after, "
-        f"serve flags {args.serve_arg or 'default'}"
+        + (f"peer {args.peer!r}" if args.peer else f"serve flags {args.serve_arg or 'default'}")
     )
     head = ("workload", "ok", "fail", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99")
     widths = (16, 4, 5, 10, 10, 10, 10, 10)
@@ -179,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     for label, seconds in startup.items():
         print(f"start-up to first answer ({label} start): {seconds:.2f} s")
     record = run_record(model_dir, args.serve_arg, load_before)
-    write_json(args.out, {**record, "rows": rows, "startup_s": startup, "bench": runs})
+    write_json(
+        args.out, {**record, "peer": args.peer, "rows": rows, "startup_s": startup, "bench": runs}
+    )
     return 1 if any(r["failed"] for r in rows) else 0
 
 

@@ -58,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="default: 256 on a --gpu, servelm serve's default with --profile")  # fmt: skip
     dep.add_argument("--max-num-batched-tokens", type=int,
                      help="default: 2048 on a --gpu, servelm serve's default with --profile")  # fmt: skip
+    dep.add_argument("--max-prefill-admit-tokens", type=int,
+                     help="as servelm serve's flag; default: 0 (none) on a --gpu, serve's with "
+                     "--profile")  # fmt: skip
     dep.add_argument("--max-model-len", type=int)
     dep.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
     dep.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
@@ -136,6 +139,7 @@ def config_from_args(args: argparse.Namespace, profile_model: str | None = None)
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        max_prefill_admit_tokens=args.max_prefill_admit_tokens,
         max_model_len=args.max_model_len,
         enable_prefix_caching=args.prefix_caching,
         scheduling_policy=args.scheduling_policy,
@@ -177,7 +181,8 @@ def run(args: argparse.Namespace) -> int:
     console.print(
         f"{config.replicas} x {deployment.shape.name} on {deployment.profile.name}: "
         f"{c.num_blocks:,} KV blocks ({c.num_blocks * c.block_size:,} tokens) per replica, "
-        f"max {c.max_num_seqs} seqs, {c.max_num_batched_tokens} tokens per step",
+        f"max {c.max_num_seqs} seqs, {c.max_num_batched_tokens} tokens per step"
+        + (f", new prompts admitted below {cap}" if (cap := c.max_prefill_admit_tokens) else ""),
         highlight=False,
     )
     if not loads and not args.target_rate:

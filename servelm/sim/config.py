@@ -6,11 +6,12 @@ scheduler knobs) behind a router. KV blocks per replica come from the planner's 
 profile has no GPU memory to size from, so it gets `kv_cache_gb` (default 1 GiB, the engine's
 CPU default).
 
-Scheduler limits left unset (`max_num_seqs`, `max_num_batched_tokens` = None) depend on what is
-simulated. A datasheet GPU profile models a GPU deployment: 256 sequences per step (vLLM's
-default on most data-centre GPUs) and a 2,048-token step budget (chunked prefill). A measured
-profile (`--profile` / `--calibrate`) models servelm's own engine on the measured machine, so it
-gets `servelm serve`'s defaults, read from `servelm.config.EngineArgs`.
+Scheduler limits left unset (`max_num_seqs`, `max_num_batched_tokens`,
+`max_prefill_admit_tokens` = None) depend on what is simulated. A datasheet GPU profile models a
+GPU deployment: 256 sequences per step (vLLM's default on most data-centre GPUs), a 2,048-token
+step budget (chunked prefill) that new prompts may fill. A measured profile (`--profile` /
+`--calibrate`) models servelm's own engine on the measured machine, so it gets `servelm serve`'s
+defaults, read from `servelm.config.EngineArgs`.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ GPU_PER_REQUEST_S = 20e-6
 CPU_KV_CACHE_GB = 2**30 / 1e9  # the engine's CPU default: 1 GiB
 GPU_MAX_NUM_SEQS = 256  # vLLM's default on most data-centre GPUs
 GPU_MAX_NUM_BATCHED_TOKENS = 2048  # chunked-prefill budget per step
+# The scheduler limits a simulation resolves (SchedulerConfig's and EngineArgs' names)
+LIMITS = ("max_num_seqs", "max_num_batched_tokens", "max_prefill_admit_tokens")
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,7 @@ class SimConfig:
     block_size: int = 16
     max_num_seqs: int | None = None  # None: GPU_MAX_NUM_SEQS, or serve's default (measured)
     max_num_batched_tokens: int | None = None  # likewise
+    max_prefill_admit_tokens: int | None = None  # likewise (0 on a GPU: no cap)
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
@@ -98,8 +102,7 @@ class SimConfig:
             "policy": self.policy,
             "num_blocks": self.num_blocks,
             "block_size": self.block_size,
-            "max_num_seqs": scheduler_limits(self)[0],
-            "max_num_batched_tokens": scheduler_limits(self)[1],
+            **dict(zip(LIMITS, scheduler_limits(self), strict=True)),
             "max_model_len": self.max_model_len,
             "enable_prefix_caching": self.enable_prefix_caching,
             "scheduling_policy": self.scheduling_policy,
@@ -138,12 +141,10 @@ def resolve(config: SimConfig) -> Deployment:
     profile = device_profile(config)
     max_len = config.max_model_len or shape.max_context
     num_blocks = config.num_blocks or kv_blocks(config, shape, max_len)
-    max_num_seqs, max_num_batched_tokens = scheduler_limits(config)
     scheduler = SchedulerConfig(
         num_blocks=num_blocks,
         block_size=config.block_size,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
+        **dict(zip(LIMITS, scheduler_limits(config), strict=True)),
         max_model_len=max_len,
         enable_prefix_caching=config.enable_prefix_caching,
         policy=config.scheduling_policy,
@@ -151,17 +152,15 @@ def resolve(config: SimConfig) -> Deployment:
     return Deployment(config, shape, cost, profile, scheduler)
 
 
-def scheduler_limits(config: SimConfig) -> tuple[int, int]:
-    """(max_num_seqs, max_num_batched_tokens): the config's, else the defaults of what is
-    simulated (a GPU deployment, or servelm's engine for a measured profile)."""
+def scheduler_limits(config: SimConfig) -> tuple[int, int, int]:
+    """The `LIMITS`: the config's, else the defaults of what is simulated (a GPU deployment, or
+    servelm's engine for a measured profile)."""
     if config.profile is None:
-        seqs, tokens = GPU_MAX_NUM_SEQS, GPU_MAX_NUM_BATCHED_TOKENS
+        defaults = (GPU_MAX_NUM_SEQS, GPU_MAX_NUM_BATCHED_TOKENS, 0)
     else:
-        seqs, tokens = EngineArgs.max_num_seqs, EngineArgs.max_num_batched_tokens
-    return (
-        seqs if config.max_num_seqs is None else config.max_num_seqs,
-        tokens if config.max_num_batched_tokens is None else config.max_num_batched_tokens,
-    )
+        defaults = tuple(getattr(EngineArgs, name) for name in LIMITS)
+    given = (getattr(config, name) for name in LIMITS)
+    return tuple(d if g is None else g for d, g in zip(defaults, given, strict=True))
 
 
 def device_profile(config: SimConfig) -> DeviceProfile:

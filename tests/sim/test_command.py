@@ -64,7 +64,8 @@ def test_bad_arguments_exit_2():
 
 def test_scheduler_limits_default_to_what_is_simulated(tmp_path):
     # a measured profile simulates servelm's own engine: serve's defaults (from EngineArgs);
-    # a datasheet GPU simulates a GPU deployment: 256 sequences, 2,048 tokens per step
+    # a datasheet GPU simulates a GPU deployment: 256 sequences, 2,048 tokens per step, no
+    # cap on the prompt tokens admitted
     path = tmp_path / "cpu.json"
     ProfileFile(measured_profile(60e9, 8e9), "smollm2-135m").write(path)
     parser = argparse.ArgumentParser()
@@ -77,13 +78,16 @@ def test_scheduler_limits_default_to_what_is_simulated(tmp_path):
             args.loaded_profile = load_profile(args.profile).profile
             profile_model = "smollm2-135m"
         sched = resolve(config_from_args(args, profile_model)).scheduler
-        return sched.max_num_seqs, sched.max_num_batched_tokens
+        return sched.max_num_seqs, sched.max_num_batched_tokens, sched.max_prefill_admit_tokens
 
     serve = EngineArgs()
-    assert limits("--profile", str(path)) == (serve.max_num_seqs, serve.max_num_batched_tokens)
-    assert limits("--profile", str(path), "--max-num-seqs", "8") == (
-        8,
-        serve.max_num_batched_tokens,
+    served = (serve.max_num_seqs, serve.max_num_batched_tokens, serve.max_prefill_admit_tokens)
+    assert limits("--profile", str(path)) == served
+    assert limits("--profile", str(path), "--max-num-seqs", "8") == (8, *served[1:])
+    assert limits("--profile", str(path), "--max-prefill-admit-tokens", "300") == (
+        *served[:2],
+        300,
     )
-    assert limits() == (256, 2048)
-    assert limits("--max-num-batched-tokens", "8192") == (256, 8192)
+    assert limits() == (256, 2048, 0)
+    assert limits("--max-num-batched-tokens", "8192") == (256, 8192, 0)
+    assert limits("--max-prefill-admit-tokens", "512") == (256, 2048, 512)

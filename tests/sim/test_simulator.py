@@ -100,3 +100,20 @@ def test_a_prompt_beyond_the_context_is_refused_like_a_400():
     assert refused.error and "maximum context length" in refused.error
     record = to_record(refused)
     assert record.error == "400" and not record.ok
+
+
+def test_prefill_admit_cap_gives_a_burst_its_first_tokens_one_prompt_at_a_time():
+    # 8 prompts of 1,024 tokens at once, one token out each (no decodes share the steps): a
+    # 2,048-token step takes two of them, and both get their first token when it ends; with
+    # new prompts admitted only below 1,024 prompt tokens a step, each step takes one, so half
+    # the burst is answered sooner
+    burst = [SimRequest(i, 0.0, [1 + i] * 1024, 1) for i in range(8)]
+
+    def first_tokens(cap: int) -> list[float]:
+        outcome = simulate(resolve(H100_8B.with_(max_prefill_admit_tokens=cap)), burst)
+        return sorted(r.ttft_s for r in outcome.requests)
+
+    paired, single = first_tokens(0), first_tokens(1024)
+    assert len(set(paired)) == 4 and len(set(single)) == 8
+    assert single[0] < paired[0] and sum(single) < sum(paired)
+    assert single[-1] == pytest.approx(paired[-1], rel=0.15)  # the same work in all
