@@ -21,6 +21,13 @@ _UNITS = {
 }
 
 
+# On a CPU, new prompts join a step only while its prompt tokens are fewer than this. A CPU's
+# prompt step costs about the same per token from a few dozen rows on, so batching more prompts
+# buys no speed, and each of them would get its first token when the last one does. (A GPU
+# batches prompts nearly free: no cap there.)
+CPU_PREFILL_ADMIT_TOKENS = 512
+
+
 def port_number(text: str) -> int:
     """A TCP port for argparse: 0 (any free one) to 65535."""
     try:
@@ -57,7 +64,7 @@ class EngineArgs:
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    max_prefill_admit_tokens: int = 0  # 0: new prompts fill the step budget (see the flag)
+    max_prefill_admit_tokens: int | None = None  # None: by device (prefill_admit_tokens)
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes; default 1 GiB on CPU, profiled on CUDA
     gpu_memory_utilization: float = 0.9
@@ -122,9 +129,10 @@ class EngineArgs:
         g.add_argument(
             "--max-prefill-admit-tokens",
             type=int,
-            default=0,
+            default=None,
             help="admit new prompts into a step only while its prompt tokens are fewer than "
-            "this (a prompt admitted is not cut short for it); 0: up to the step budget",
+            "this (a prompt admitted is not cut short for it); 0: up to the step budget "
+            f"(default: {CPU_PREFILL_ADMIT_TOKENS} on a CPU, 0 on a GPU)",
         )
         g.add_argument("--block-size", type=int, default=16)
         g.add_argument(
@@ -150,6 +158,14 @@ class EngineArgs:
             help="append one JSON line per engine step (what it computed, how long it took); "
             "`servelm simulate --calibrate-trace FILE` fits a profile to it",
         )
+
+    def prefill_admit_tokens(self, device_type: str) -> int:
+        """The scheduler's cap on a step's prompt tokens for admitting new prompts, on a device
+        of this type ("cpu", "cuda", ...): the flag's, else `CPU_PREFILL_ADMIT_TOKENS` on a
+        CPU and none (0) elsewhere."""
+        if self.max_prefill_admit_tokens is not None:
+            return self.max_prefill_admit_tokens
+        return CPU_PREFILL_ADMIT_TOKENS if device_type == "cpu" else 0
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

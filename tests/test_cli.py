@@ -62,17 +62,32 @@ def test_unknown_command_is_a_usage_error():
 
 def test_prefill_admit_cap_reaches_the_scheduler(tiny_model_dir):
     """`--max-prefill-admit-tokens` goes from the command line through EngineArgs to the
-    scheduler the engine builds."""
-    from servelm.config import EngineArgs
+    scheduler the engine builds; without it, a CPU engine gets the CPU's cap, and 0 turns the
+    cap off."""
+    from servelm.config import CPU_PREFILL_ADMIT_TOKENS, EngineArgs
     from servelm.worker.executor import create_engine_core
 
-    args = build_parser(["serve"]).parse_args(
-        ["serve", str(tiny_model_dir), "--max-prefill-admit-tokens", "512"]
-    )
-    engine_args = EngineArgs.from_cli_args(args)
-    engine_args.kv_cache_memory = 8 << 20
-    core, _ = create_engine_core(engine_args)
-    assert core.scheduler.config.max_prefill_admit_tokens == 512
+    def cap(*flags: str) -> int:
+        args = build_parser(["serve"]).parse_args(
+            ["serve", str(tiny_model_dir), "--device", "cpu", *flags]
+        )
+        engine_args = EngineArgs.from_cli_args(args)
+        engine_args.kv_cache_memory = 8 << 20
+        core, _ = create_engine_core(engine_args)
+        return core.scheduler.config.max_prefill_admit_tokens
+
+    assert cap() == CPU_PREFILL_ADMIT_TOKENS > 0
+    assert cap("--max-prefill-admit-tokens", "300") == 300
+    assert cap("--max-prefill-admit-tokens", "0") == 0
+
+
+def test_prefill_admit_cap_defaults_by_device():
+    from servelm.config import CPU_PREFILL_ADMIT_TOKENS, EngineArgs
+
+    assert EngineArgs().prefill_admit_tokens("cpu") == CPU_PREFILL_ADMIT_TOKENS
+    assert EngineArgs().prefill_admit_tokens("cuda") == 0  # a GPU batches prompts nearly free
+    assert EngineArgs(max_prefill_admit_tokens=64).prefill_admit_tokens("cuda") == 64
+    assert EngineArgs(max_prefill_admit_tokens=0).prefill_admit_tokens("cpu") == 0
 
 
 def test_int4_activations_reach_the_quantized_matmul(tiny_model_dir):

@@ -10,8 +10,9 @@ Scheduler limits left unset (`max_num_seqs`, `max_num_batched_tokens`,
 `max_prefill_admit_tokens` = None) depend on what is simulated. A datasheet GPU profile models a
 GPU deployment: 256 sequences per step (vLLM's default on most data-centre GPUs), a 2,048-token
 step budget (chunked prefill) that new prompts may fill. A measured profile (`--profile` /
-`--calibrate`) models servelm's own engine on the measured machine, so it gets `servelm serve`'s
-defaults, read from `servelm.config.EngineArgs`.
+`--calibrate`, which times servelm's engine on a CPU) models servelm's own engine on the
+measured machine, so it gets `servelm serve`'s defaults on a CPU, from
+`servelm.config.EngineArgs`.
 """
 
 from __future__ import annotations
@@ -158,7 +159,12 @@ def scheduler_limits(config: SimConfig) -> tuple[int, int, int]:
     if config.profile is None:
         defaults = (GPU_MAX_NUM_SEQS, GPU_MAX_NUM_BATCHED_TOKENS, 0)
     else:
-        defaults = tuple(getattr(EngineArgs, name) for name in LIMITS)
+        serve = EngineArgs()
+        defaults = (
+            serve.max_num_seqs,
+            serve.max_num_batched_tokens,
+            serve.prefill_admit_tokens("cpu"),
+        )
     given = (getattr(config, name) for name in LIMITS)
     return tuple(d if g is None else g for d, g in zip(defaults, given, strict=True))
 

@@ -95,7 +95,7 @@ def create_engine_core(
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        max_prefill_admit_tokens=args.max_prefill_admit_tokens,
+        max_prefill_admit_tokens=args.prefill_admit_tokens(runner.device.type),
         max_model_len=max_model_len,
         enable_prefix_caching=args.enable_prefix_caching,
         policy=args.scheduling_policy,

@@ -81,7 +81,8 @@ def test_scheduler_limits_default_to_what_is_simulated(tmp_path):
         return sched.max_num_seqs, sched.max_num_batched_tokens, sched.max_prefill_admit_tokens
 
     serve = EngineArgs()
-    served = (serve.max_num_seqs, serve.max_num_batched_tokens, serve.max_prefill_admit_tokens)
+    served = (serve.max_num_seqs, serve.max_num_batched_tokens, serve.prefill_admit_tokens("cpu"))
+    assert served[2] > 0  # a cap on the CPU
     assert limits("--profile", str(path)) == served
     assert limits("--profile", str(path), "--max-num-seqs", "8") == (8, *served[1:])
     assert limits("--profile", str(path), "--max-prefill-admit-tokens", "300") == (
