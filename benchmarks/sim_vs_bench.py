@@ -18,7 +18,7 @@
    sides of the measured runs lets the drift weigh on the profile from both sides.
    `servelm simulate --profile` then simulates the same workload, rates, request counts and
    engine settings (KV blocks read from the server's /metrics, max-num-seqs,
-   max-num-batched-tokens, block size, prefix caching, one replica).
+   max-num-batched-tokens, max-prefill-admit-tokens, block size, prefix caching, one replica).
 5. Prints rate | real/sim TTFT p50 | error | real/sim TPOT p50 | error, writes
    sim_vs_bench.json, bench.json, sim.json and overlay plots (servelm bench's plot function
    with both result files) into --out-dir. The steps the server traced during the measured
@@ -125,6 +125,8 @@ def main() -> int:
     ap.add_argument("--capacity-slo-ttft-ms", type=float, default=1000.0)
     ap.add_argument("--max-num-seqs", type=int, default=EngineArgs.max_num_seqs)  # serve's
     ap.add_argument("--max-num-batched-tokens", type=int, default=EngineArgs.max_num_batched_tokens)
+    ap.add_argument("--max-prefill-admit-tokens", type=int,
+                    default=EngineArgs().prefill_admit_tokens("cpu"))  # fmt: skip
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--num-threads", type=int, default=os.cpu_count() or 1,
                     help="server torch threads; must match calibration (engine default)")  # fmt: skip
@@ -143,6 +145,7 @@ def main() -> int:
     workload = ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
     engine = ["--max-num-seqs", str(args.max_num_seqs),
               "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+              "--max-prefill-admit-tokens", str(args.max_prefill_admit_tokens),
               "--block-size", str(args.block_size)]  # fmt: skip
     trace = out / "step_trace.jsonl"
     trace.unlink(missing_ok=True)
@@ -308,6 +311,7 @@ def main() -> int:
             "num_blocks": num_blocks,
             "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens,
+            "max_prefill_admit_tokens": args.max_prefill_admit_tokens,
             "block_size": args.block_size,
             "num_threads": args.num_threads,
             "prefix_caching": False,
