@@ -43,7 +43,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.serve_latency import MODEL_NAME, Server, print_columns, run_record, write_json
+from benchmarks.serve_latency import Server, print_columns, run_record, write_json
 from servelm.bench import BenchConfig, Load, WorkloadSpec, run_benchmark
 from servelm.store.paths import PACKED_FOLDER
 
@@ -91,20 +91,28 @@ def first_answer_s(
     One client asks every 50 ms. (`httpx.post` makes a client, and with it an SSL context,
     per call: 34 ms of CPU per attempt here, which took 40 % of one of the two cores away from
     the start being timed; a cold start's weights took 3.2-3.9 s to load instead of 1.8-2.0.)
+    A peer is asked for its model's name first (GET /v1/models), in the same loop.
     """
     client = httpx.Client(timeout=5)
     t0 = time.perf_counter()
     server = Server(model_dir, extra, log, peer)
+    model = server.model_name
     try:
         while time.perf_counter() - t0 < timeout_s:
             if server.proc.poll() is not None:
                 raise RuntimeError(f"the server exited:\n{server.tail()}")
             try:
-                r = client.post(
-                    server.url + "/v1/completions",
-                    json={"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 1},
-                )
-                if r.status_code == 200:
+                if model is None:
+                    r = client.get(server.url + "/v1/models")
+                    if r.status_code == 200:
+                        model = r.json()["data"][0]["id"]
+                        continue
+                else:
+                    r = client.post(
+                        server.url + "/v1/completions",
+                        json={"model": model, "prompt": "Hello", "max_tokens": 1},
+                    )
+                if model is not None and r.status_code == 200:
                     return time.perf_counter() - t0
             except httpx.HTTPError:
                 pass
