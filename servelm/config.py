@@ -39,6 +39,23 @@ def port_number(text: str) -> int:
     return port
 
 
+def count(least: int):
+    """An argparse type: an integer of at least `least` (a scheduler limit of 0 where 1 is the
+    least would admit nothing, and the server would hang instead of saying so)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = least - 1
+        if value < least:
+            raise argparse.ArgumentTypeError(f"not an integer >= {least}: {text!r}")
+        return value
+
+    parse.__name__ = "int"  # argparse names the type in its messages
+    return parse
+
+
 def parse_size(text: str | int | None) -> int | None:
     """'4GiB', '512MB', '1e9' or a number of bytes -> bytes."""
     if text is None or isinstance(text, int):
@@ -124,11 +141,11 @@ class EngineArgs:
             "int16 under either integer width",
         )
         g.add_argument("--max-model-len", type=int, default=None)
-        g.add_argument("--max-num-seqs", type=int, default=64)
-        g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+        g.add_argument("--max-num-seqs", type=count(1), default=64)
+        g.add_argument("--max-num-batched-tokens", type=count(1), default=2048)
         g.add_argument(
             "--max-prefill-admit-tokens",
-            type=int,
+            type=count(0),
             default=None,
             help="admit new prompts into a step only while its prompt tokens are fewer than "
             "this (a prompt admitted is not cut short for it); 0: up to the step budget "

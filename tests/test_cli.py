@@ -114,3 +114,17 @@ def test_int4_activations_reach_the_quantized_matmul(tiny_model_dir):
         assert bits == dict.fromkeys(ACTIVATIONS, 0)
     with pytest.raises(SystemExit):
         build_parser(["serve"]).parse_args(["serve", "--int4-activations", "int4"])
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [("--max-num-seqs", "0"), ("--max-num-batched-tokens", "-1"),
+     ("--max-prefill-admit-tokens", "-5"), ("--max-prefill-admit-tokens", "many")],
+)  # fmt: skip
+def test_scheduler_limits_that_would_admit_nothing_are_usage_errors(flag, value, capsys):
+    # a step budget, a sequence limit or an admission cap below its least would leave every
+    # request waiting for good; the command line refuses them instead
+    with pytest.raises(SystemExit) as exit_:
+        build_parser(["serve"]).parse_args(["serve", "model", flag, value])
+    assert exit_.value.code == 2
+    assert f"argument {flag}: not an integer >= " in capsys.readouterr().err
