@@ -28,32 +28,27 @@ _UNITS = {
 CPU_PREFILL_ADMIT_TOKENS = 512
 
 
-def port_number(text: str) -> int:
-    """A TCP port for argparse: 0 (any free one) to 65535."""
-    try:
-        port = int(text)
-    except ValueError:
-        port = -1
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"not a port: {text!r} (0-65535)")
-    return port
-
-
-def count(least: int):
-    """An argparse type: an integer of at least `least` (a scheduler limit of 0 where 1 is the
-    least would admit nothing, and the server would hang instead of saying so)."""
+def bounded_int(least: int, most: int | None = None, error: str = "not an integer >= {least}"):
+    """An argparse type: an integer from `least` to `most` (None: no upper bound); anything else
+    is a usage error, `error` (formatted with least and most) followed by the text given. A
+    scheduler limit below its least would admit nothing, and the server would hang instead of
+    saying so."""
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             value = least - 1
-        if value < least:
-            raise argparse.ArgumentTypeError(f"not an integer >= {least}: {text!r}")
+        if value < least or (most is not None and value > most):
+            message = error.format(least=least, most=most)
+            raise argparse.ArgumentTypeError(f"{message}: {text!r}")
         return value
 
-    parse.__name__ = "int"  # argparse names the type in its messages
     return parse
+
+
+# A TCP port: 0 (any free one) to 65535
+port_number = bounded_int(0, 65535, "not a port ({least}-{most})")
 
 
 def parse_size(text: str | int | None) -> int | None:
@@ -141,11 +136,11 @@ class EngineArgs:
             "int16 under either integer width",
         )
         g.add_argument("--max-model-len", type=int, default=None)
-        g.add_argument("--max-num-seqs", type=count(1), default=64)
-        g.add_argument("--max-num-batched-tokens", type=count(1), default=2048)
+        g.add_argument("--max-num-seqs", type=bounded_int(1), default=64)
+        g.add_argument("--max-num-batched-tokens", type=bounded_int(1), default=2048)
         g.add_argument(
             "--max-prefill-admit-tokens",
-            type=count(0),
+            type=bounded_int(0),
             default=None,
             help="admit new prompts into a step only while its prompt tokens are fewer than "
             "this (a prompt admitted is not cut short for it); 0: up to the step budget "
