@@ -40,8 +40,6 @@ GPU_PER_REQUEST_S = 20e-6
 CPU_KV_CACHE_GB = 2**30 / 1e9  # the engine's CPU default: 1 GiB
 GPU_MAX_NUM_SEQS = 256  # vLLM's default on most data-centre GPUs
 GPU_MAX_NUM_BATCHED_TOKENS = 2048  # chunked-prefill budget per step
-# The scheduler limits a simulation resolves (SchedulerConfig's and EngineArgs' names)
-LIMITS = ("max_num_seqs", "max_num_batched_tokens", "max_prefill_admit_tokens")
 
 
 @dataclass(frozen=True)
@@ -103,7 +101,7 @@ class SimConfig:
             "policy": self.policy,
             "num_blocks": self.num_blocks,
             "block_size": self.block_size,
-            **dict(zip(LIMITS, scheduler_limits(self), strict=True)),
+            **scheduler_limits(self),
             "max_model_len": self.max_model_len,
             "enable_prefix_caching": self.enable_prefix_caching,
             "scheduling_policy": self.scheduling_policy,
@@ -145,7 +143,7 @@ def resolve(config: SimConfig) -> Deployment:
     scheduler = SchedulerConfig(
         num_blocks=num_blocks,
         block_size=config.block_size,
-        **dict(zip(LIMITS, scheduler_limits(config), strict=True)),
+        **scheduler_limits(config),
         max_model_len=max_len,
         enable_prefix_caching=config.enable_prefix_caching,
         policy=config.scheduling_policy,
@@ -153,20 +151,26 @@ def resolve(config: SimConfig) -> Deployment:
     return Deployment(config, shape, cost, profile, scheduler)
 
 
-def scheduler_limits(config: SimConfig) -> tuple[int, int, int]:
-    """The `LIMITS`: the config's, else the defaults of what is simulated (a GPU deployment, or
-    servelm's engine for a measured profile)."""
+def scheduler_limits(config: SimConfig) -> dict[str, int]:
+    """The scheduler's limits, by their SchedulerConfig names: the config's, else the defaults
+    of what is simulated (a GPU deployment, or servelm's engine for a measured profile)."""
     if config.profile is None:
-        defaults = (GPU_MAX_NUM_SEQS, GPU_MAX_NUM_BATCHED_TOKENS, 0)
+        defaults = {
+            "max_num_seqs": GPU_MAX_NUM_SEQS,
+            "max_num_batched_tokens": GPU_MAX_NUM_BATCHED_TOKENS,
+            "max_prefill_admit_tokens": 0,
+        }
     else:
         serve = EngineArgs()
-        defaults = (
-            serve.max_num_seqs,
-            serve.max_num_batched_tokens,
-            serve.prefill_admit_tokens("cpu"),
-        )
-    given = (getattr(config, name) for name in LIMITS)
-    return tuple(d if g is None else g for d, g in zip(defaults, given, strict=True))
+        defaults = {
+            "max_num_seqs": serve.max_num_seqs,
+            "max_num_batched_tokens": serve.max_num_batched_tokens,
+            "max_prefill_admit_tokens": serve.prefill_admit_tokens("cpu"),
+        }
+    return {
+        name: default if (given := getattr(config, name)) is None else given
+        for name, default in defaults.items()
+    }
 
 
 def device_profile(config: SimConfig) -> DeviceProfile:
