@@ -40,6 +40,17 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     policy: str = "fcfs"
 
+    def __post_init__(self) -> None:
+        # Below these, no request would ever be scheduled: every caller (the command lines,
+        # LLM, the simulator) gets an error instead of a server that waits for good.
+        for name, least in (
+            ("max_num_seqs", 1),
+            ("max_num_batched_tokens", 1),
+            ("max_prefill_admit_tokens", 0),
+        ):
+            if getattr(self, name) < least:
+                raise ValueError(f"{name} must be >= {least}, got {getattr(self, name)}")
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:

@@ -201,3 +201,13 @@ def test_prefix_hit_counted_in_tokens():
     assert out.requests[0].num_computed_tokens == 8 and len(out.requests[0].token_ids) == 1
     stats = s.make_stats()
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (9, 8)
+
+
+@pytest.mark.parametrize(
+    "limit", [{"max_num_seqs": 0}, {"max_num_batched_tokens": 0}, {"max_prefill_admit_tokens": -1}]
+)
+def test_limits_that_would_schedule_nothing_are_refused(limit):
+    # a negative admission cap used to leave every request waiting, step after step
+    (name,) = limit
+    with pytest.raises(ValueError, match=f"{name} must be >= "):
+        make(**limit)
