@@ -108,12 +108,9 @@ def first_answer_s(
                         model = r.json()["data"][0]["id"]
                         continue
                 else:
-                    r = client.post(
-                        server.url + "/v1/completions",
-                        json={"model": model, "prompt": "Hello", "max_tokens": 1},
-                    )
-                if model is not None and r.status_code == 200:
-                    return time.perf_counter() - t0
+                    body = {"model": model, "prompt": "Hello", "max_tokens": 1}
+                    if client.post(server.url + "/v1/completions", json=body).status_code == 200:
+                        return time.perf_counter() - t0
             except httpx.HTTPError:
                 pass
             time.sleep(0.05)
