@@ -16,8 +16,12 @@
  *   delta = a Wo^T;  h = norm(x += delta)   q4_matmul, add_rms_norm
  *   delta = silu(h Wg^T) * (h Wu^T) Wd^T    q4_matmul, silu_and_mul, q4_matmul
  *
- * and after the last layer out = norm(x += delta). Tensors are bfloat16, row-major.
+ * and after the last layer out = norm(x += delta). Tensors are bfloat16, row-major. The last
+ * layer, after storing every row's K/V, goes on with the step's K kept rows alone (a prompt
+ * chunk's last token, none of a chunk that does not finish its prompt: attention.py), as the
+ * Python layers do: x's kept rows are moved to its first K, and out holds K rows.
  */
+#include <string.h>
 
 #include <stddef.h>
 #include <stdint.h>
@@ -66,11 +70,12 @@ struct layer {
 /* Rows start .. start + n - 1 of a step, which attend alike: n decode tokens, one per request
  * (blocks: their block tables [n, max_blocks]; context_lens [n]; max_len the longest), or one
  * request's n new tokens, the last of its context (prefill != 0; blocks: its block table;
- * max_len: its context length). */
+ * max_len: its context length). kept: the place among the kept rows of its first decode row,
+ * or of a prompt chunk's last row (-1: the chunk has none kept). */
 struct part {
     int64_t start, n, prefill;
     const int64_t *blocks, *context_lens;
-    int64_t max_blocks, max_len;
+    int64_t max_blocks, max_len, kept;
 };
 
 /* This step: B tokens, their rotary rows, where their K/V go, and its parts (each row in one). */
@@ -81,6 +86,8 @@ struct step {
     int64_t num_parts;
     const struct part *parts;
     void *prefill_scratch;                       /* paged_prefill's, for the longest context */
+    int64_t K;                                   /* rows the last layer computes */
+    const int64_t *kept_rows;                    /* [K] ascending; NULL: all B rows (K = B) */
 };
 
 /* Scratch rows, each sized for B: h [B, hidden], qkv [B, (heads + 2 kv_heads) head_dim],
@@ -90,7 +97,7 @@ struct scratch {
 };
 
 /* x [B, hidden]: the token embeddings, updated in place into the residual stream;
- * out [B, hidden]: the final norm's output (what the logits head reads). */
+ * out [B, hidden]: the final norm's output (what the logits head reads) in its first K rows. */
 void decode_stack_bf16(const struct kernels *k, const struct shape *s, const struct layer *layers,
                        int64_t num_layers, const void *final_norm, const struct step *st,
                        const struct scratch *buf, void *x, void *out)
@@ -100,8 +107,10 @@ void decode_stack_bf16(const struct kernels *k, const struct shape *s, const str
     const int64_t qkv_row = q_size + 2 * kv_size; /* elements between two tokens' q, k or v */
     uint16_t *qkv = buf->qkv;
     const void *delta = NULL;
+    int64_t R = B; /* rows from the attention on: K in the last layer */
     for (int64_t l = 0; l < num_layers; l++) {
         const struct layer *ly = &layers[l];
+        const int kept_only = l == num_layers - 1 && st->kept_rows;
         k->norm(x, delta, ly->input_norm, buf->h, B, H, s->eps);
         k->q4(buf->h, ly->qkv, qkv, B, qkv_row, H);
         k->rotary(qkv, qkv_row, B, Hq + Hkv, D, st->cos, st->sin);
@@ -118,22 +127,34 @@ void decode_stack_bf16(const struct kernels *k, const struct shape *s, const str
         }
         for (int64_t i = 0; i < st->num_parts; i++) {
             const struct part *p = &st->parts[i];
-            const uint16_t *q = qkv + p->start * qkv_row, *kn = q + q_size, *vn = kn + kv_size;
-            uint16_t *a = (uint16_t *)buf->attn + p->start * q_size;
+            if (kept_only && p->kept < 0)
+                continue;
+            /* kept only: a prompt chunk's last query alone */
+            const int64_t skip = kept_only && p->prefill ? p->n - 1 : 0;
+            const uint16_t *q = qkv + (p->start + skip) * qkv_row, *kn = q + q_size,
+                           *vn = kn + kv_size;
+            uint16_t *a = (uint16_t *)buf->attn + (kept_only ? p->kept : p->start) * q_size;
             if (p->prefill)
-                k->prefill(q, qkv_row, ly->k_cache, ly->v_cache, p->blocks, s->block_size, p->n,
-                           p->max_len, Hq, Hkv, D, s->scale, a, q_size, st->prefill_scratch);
+                k->prefill(q, qkv_row, ly->k_cache, ly->v_cache, p->blocks, s->block_size,
+                           p->n - skip, p->max_len, Hq, Hkv, D, s->scale, a, q_size,
+                           st->prefill_scratch);
             else
                 k->attention(q, qkv_row, kn, qkv_row, vn, qkv_row, ly->k_cache, ly->v_cache,
                              st->slots + p->start, p->blocks, p->max_blocks, p->context_lens,
                              p->n, Hq, Hkv, s->block_size, p->max_len, s->scale, a);
         }
-        k->q4(buf->attn, ly->o, buf->delta, B, H, q_size);
-        k->norm(x, buf->delta, ly->post_norm, buf->h, B, H, s->eps);
-        k->q4(buf->h, ly->gate_up, buf->gate_up, B, 2 * I, H);
-        k->silu(buf->gate_up, buf->act, B, I);
-        k->q4(buf->act, ly->down, buf->delta, B, H, I);
+        if (kept_only) { /* x's kept rows (ascending) to its first K */
+            R = st->K;
+            for (int64_t r = 0; r < R; r++)
+                if (st->kept_rows[r] != r)
+                    memcpy((uint16_t *)x + r * H, (uint16_t *)x + st->kept_rows[r] * H, 2 * H);
+        }
+        k->q4(buf->attn, ly->o, buf->delta, R, H, q_size);
+        k->norm(x, buf->delta, ly->post_norm, buf->h, R, H, s->eps);
+        k->q4(buf->h, ly->gate_up, buf->gate_up, R, 2 * I, H);
+        k->silu(buf->gate_up, buf->act, R, I);
+        k->q4(buf->act, ly->down, buf->delta, R, H, I);
         delta = buf->delta;
     }
-    k->norm(x, delta, final_norm, out, B, H, s->eps);
+    k->norm(x, delta, final_norm, out, R, H, s->eps);
 }

@@ -30,10 +30,13 @@ from servelm.model.loader import PackedShards
 
 
 class PagedAttention(Protocol):
+    kept_rows: torch.Tensor | None  # the rows the last layer computes (None: all)
+
     def __call__(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kept_only=False
     ) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] of this step's tokens -> attention output [T, Hq, D]."""
+        """q [T, Hq, D], k/v [T, Hkv, D] of this step's tokens -> attention output [T, Hq, D]
+        (with `kept_only`: [len(kept_rows), Hq, D], for those rows)."""
         ...
 
 
@@ -59,6 +62,7 @@ class LlamaAttention(nn.Module):
         x: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         attn: PagedAttention,
+        kept_only: bool = False,
     ) -> torch.Tensor:
         T = x.shape[0]
         hq, hkv = self.num_heads, self.num_kv_heads
@@ -67,8 +71,8 @@ class LlamaAttention(nn.Module):
         qk = qkv[:, : hq + hkv]
         if not (self.cpu_ops and self.cpu_ops.rotary_(qk, *cos_sin)):
             qk = apply_rotary(qk, cos_sin)
-        out = attn(self.layer_idx, qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :])
-        return self.o_proj(out.reshape(T, -1))
+        out = attn(self.layer_idx, qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :], kept_only)
+        return self.o_proj(out.flatten(1))
 
 
 class LlamaMLP(nn.Module):
@@ -99,11 +103,15 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = LlamaMLP(spec)
 
-    def forward(self, x, delta, cos_sin, attn):
+    def forward(self, x, delta, cos_sin, attn, kept_only=False):
         """x: the residual stream; delta: what the previous layer adds to it (None before the
-        first layer). Returns the stream and this layer's own addition, for the next norm."""
+        first layer). Returns the stream and this layer's own addition, for the next norm;
+        with `kept_only` (the last layer) for `attn.kept_rows` alone."""
         h, x = self.input_layernorm(x, delta)
-        h, x = self.post_attention_layernorm(x, self.self_attn(h, cos_sin, attn))
+        out = self.self_attn(h, cos_sin, attn, kept_only)
+        if kept_only and attn.kept_rows is not None:
+            x = x[attn.kept_rows]
+        h, x = self.post_attention_layernorm(x, out)
         return x, self.mlp(h)
 
 
@@ -147,10 +155,12 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: PagedAttention
     ) -> torch.Tensor:
+        """The final hidden states of the rows the step samples from, `attn.kept_rows` (all rows
+        where that is None): the last layer computes no others."""
         x, delta = self.embed_tokens(input_ids), None
         cos_sin = self.rope.lookup(positions)
-        for layer in self.layers:
-            x, delta = layer(x, delta, cos_sin, attn)
+        for i, layer in enumerate(self.layers):
+            x, delta = layer(x, delta, cos_sin, attn, kept_only=i == len(self.layers) - 1)
         return self.norm(x, delta)[0]
 
     def use_cpu_ops(self, ops: CpuOps | None) -> None:

@@ -13,6 +13,11 @@ not one per token). Prefill chunks run one request at a time: on a CPU with AMX 
 `kernels/paged_prefill.c`, which reads K in place too and needs no mask; elsewhere through SDPA
 with a causal mask offset by the tokens already cached. The slot indices are built once per
 step (`AttentionMetadata`) and shared by every layer.
+
+The last layer needs attention only for the rows the step samples from: a prompt chunk's last
+token, none of a chunk that does not finish its prompt. `kept_rows` names them (every decode
+row stays), and `attn(..., kept_only=True)` stores every token's K/V as usual but attends for
+those rows alone, in their order: the layer's projections and MLP then run on them alone too.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ class PrefillChunk:
     context_blocks: torch.Tensor  # [ceil(context_len / block_size)] blocks holding them
     causal: torch.Tensor | None  # [num_tokens, context_len] 0 / -inf; None: context == queries
     # (or a prefill kernel that needs no mask)
+    kept: int = -1  # its last token's row among the kept rows; -1: the chunk samples nothing
 
 
 @dataclass
@@ -47,6 +53,8 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
     all_decode: bool = False
     decode_max_len: int = 0
+    kept_rows: torch.Tensor | None = None  # [K] rows the last layer computes; None: all rows
+    decode_kept: torch.Tensor | None = None  # [Bd] the decode rows' places among those
 
 
 def additive_mask(allowed: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -63,19 +71,22 @@ def build_metadata(
     dtype: torch.dtype = torch.float32,
     decode_mask: bool = True,
     prefill_masks: bool = True,
+    sample: list[bool] | None = None,
 ) -> AttentionMetadata:
     """seqs: per request (num_computed_tokens, num_new_tokens, block_ids), in batch order;
     dtype: the model's (attention masks are made in it); decode_mask / prefill_masks: build the
     padded decode batch's mask and the offset causal masks of prefill chunks after cached
-    tokens (only SDPA reads them; the C kernels work from lengths).
+    tokens (only SDPA reads them; the C kernels work from lengths); sample: per request,
+    whether the step samples its next token (None: every request does), for `kept_rows`.
 
     Built with numpy on the host (one small array op per request, not one torch op per token),
     then moved to the device once.
     """
     slot_parts, prefills = [], []
     decode_rows, decode_blocks, decode_lens = [], [], []
+    kept, decode_kept = [], []
     row = 0
-    for num_computed, num_new, block_ids in seqs:
+    for i, (num_computed, num_new, block_ids) in enumerate(seqs):
         ctx = num_computed + num_new
         used_blocks = block_ids[: -(-ctx // block_size)]
         new_pos = np.arange(num_computed, ctx)
@@ -85,18 +96,27 @@ def build_metadata(
             decode_rows.append(row)
             decode_blocks.append(used_blocks)
             decode_lens.append(ctx)
+            decode_kept.append(len(kept))
+            kept.append(row)
         else:
             causal = None
             if num_computed and prefill_masks:
                 # query i (at position num_computed + i) sees keys 0 .. its own
                 causal = additive_mask(np.arange(ctx)[None, :] <= new_pos[:, None], dtype, device)
             blocks = torch.from_numpy(table).to(device)
-            prefills.append(PrefillChunk(row, num_new, ctx, blocks, causal))
+            samples = sample is None or sample[i]
+            prefills.append(
+                PrefillChunk(row, num_new, ctx, blocks, causal, len(kept) if samples else -1)
+            )
+            kept += [row + num_new - 1] if samples else []
         row += num_new
 
     meta = AttentionMetadata(
         torch.from_numpy(np.concatenate(slot_parts)).to(device), None, None, None, None, prefills
     )
+    if len(kept) < row:
+        meta.kept_rows = torch.tensor(kept, dtype=torch.long, device=device)
+        meta.decode_kept = torch.tensor(decode_kept, dtype=torch.long, device=device)
     if decode_rows:
         n, max_blocks = len(decode_rows), max(len(b) for b in decode_blocks)
         padded = np.zeros((n, max_blocks), dtype=np.int64)
@@ -136,16 +156,30 @@ class TorchPagedAttention:
         self.meta: AttentionMetadata | None = None
 
     def plan(
-        self, seqs: list[tuple[int, int, list[int]]], device: torch.device, dtype: torch.dtype
+        self,
+        seqs: list[tuple[int, int, list[int]]],
+        device: torch.device,
+        dtype: torch.dtype,
+        sample: list[bool] | None = None,
     ) -> None:
         """This step's metadata (see `build_metadata`), shared by every layer."""
         decode_mask, prefill_masks = self.decode_kernel is None, self.prefill_kernel is None
-        self.meta = build_metadata(seqs, self.block_size, device, dtype, decode_mask, prefill_masks)
+        self.meta = build_metadata(
+            seqs, self.block_size, device, dtype, decode_mask, prefill_masks, sample
+        )
+
+    @property
+    def kept_rows(self) -> torch.Tensor | None:
+        """The rows the step's last layer computes (see the top of the file); None: all."""
+        return self.meta.kept_rows
 
     def __call__(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kept_only=False
     ) -> torch.Tensor:
+        """Stores this step's k/v and returns attention for every row of q, or with
+        `kept_only` for the kept rows alone (in their order)."""
         meta = self.meta
+        kept_only = kept_only and meta.kept_rows is not None
         k_cache, v_cache = self.kv_caches[layer_idx]
         if meta.all_decode and self.decode_kernel is not None:  # stores k/v and attends
             return self._decode_kernel(q, k, v, k_cache, v_cache, meta.slot_mapping)
@@ -154,24 +188,31 @@ class TorchPagedAttention:
         gqa = q.shape[1] != k.shape[1]
         if meta.all_decode:
             return self._decode(q, k_cache, v_cache, meta, gqa)
-        out = torch.empty_like(q)
+        out = q.new_empty((len(meta.kept_rows), *q.shape[1:])) if kept_only else torch.empty_like(q)
         if meta.decode_rows is not None:
-            out[meta.decode_rows] = self._decode(q[meta.decode_rows], k_cache, v_cache, meta, gqa)
+            into = meta.decode_kept if kept_only else meta.decode_rows
+            out[into] = self._decode(q[meta.decode_rows], k_cache, v_cache, meta, gqa)
         for chunk in meta.prefills:
             rows = slice(chunk.start, chunk.start + chunk.num_tokens)
+            queries, into, causal = rows, rows, chunk.causal
+            if kept_only:  # its last token alone, which sees the whole context
+                if chunk.kept < 0:
+                    continue
+                queries, into = slice(rows.stop - 1, rows.stop), slice(chunk.kept, chunk.kept + 1)
+                causal = None if causal is None else causal[-1:]
             if self.prefill_kernel is not None:  # reads its K/V from the cache, stored above
                 self.prefill_kernel(
-                    q[rows],
+                    q[queries],
                     k_cache,
                     v_cache,
                     chunk.context_blocks,
                     self.block_size,
                     chunk.context_len,
                     self.scale,
-                    out[rows],
+                    out[into],
                 )
                 continue
-            qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+            qp = q[queries].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
             if chunk.context_len == chunk.num_tokens:  # nothing cached before: its own K/V is all
                 kp, vp = k[rows], v[rows]
             else:
@@ -183,12 +224,12 @@ class TorchPagedAttention:
                 qp,
                 kp,
                 vp,
-                attn_mask=chunk.causal,
-                is_causal=chunk.causal is None,
+                attn_mask=causal,
+                is_causal=causal is None and not kept_only,  # one last query sees every key
                 scale=self.scale,
                 enable_gqa=gqa,
             )
-            out[rows] = op.squeeze(0).transpose(0, 1)
+            out[into] = op.squeeze(0).transpose(0, 1)
         return out
 
     def _read_blocks(self, cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:

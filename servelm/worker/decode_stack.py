@@ -56,7 +56,7 @@ class _Part(ctypes.Structure):
     _fields_ = [
         *((name, _i64) for name in ("start", "n", "prefill")),
         *((name, _ptr) for name in ("blocks", "context_lens")),
-        *((name, _i64) for name in ("max_blocks", "max_len")),
+        *((name, _i64) for name in ("max_blocks", "max_len", "kept")),
     ]
 
 
@@ -67,6 +67,8 @@ class _Step(ctypes.Structure):
         ("num_parts", _i64),
         ("parts", ctypes.POINTER(_Part)),
         ("prefill_scratch", _ptr),
+        ("K", _i64),
+        ("kept_rows", _ptr),
     ]
 
 
@@ -180,16 +182,25 @@ class DecodeStack:
                         i = j
             width, blocks = meta.decode_blocks.shape[1], meta.decode_blocks.data_ptr()
             lens = meta.decode_lens.data_ptr()
+            kept = meta.decode_kept.tolist() if meta.kept_rows is not None else None
             for start, i, j in runs:  # decode rows i .. j - 1, at step rows start ..; int64 tables
                 table = blocks + 8 * i * width
+                at = kept[i] if kept else start  # (consecutive rows stay consecutive there)
                 parts.append(
-                    _Part(start, j - i, 0, table, lens + 8 * i, width, meta.decode_max_len)
+                    _Part(start, j - i, 0, table, lens + 8 * i, width, meta.decode_max_len, at)
                 )
         for c in meta.prefills:
             table = c.context_blocks
             parts.append(
                 _Part(
-                    c.start, c.num_tokens, 1, table.data_ptr(), None, table.numel(), c.context_len
+                    c.start,
+                    c.num_tokens,
+                    1,
+                    table.data_ptr(),
+                    None,
+                    table.numel(),
+                    c.context_len,
+                    c.kept,
                 )
             )
         if meta.prefills:  # one buffer serves every chunk in turn: the longest context's
@@ -207,6 +218,7 @@ class DecodeStack:
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rope.lookup(positions)
         out = torch.empty_like(x)
+        kept = meta.kept_rows
         step = _Step(
             B,
             cos.data_ptr(),
@@ -215,6 +227,8 @@ class DecodeStack:
             len(parts),
             parts,
             scratch,
+            B if kept is None else len(kept),
+            None if kept is None else kept.data_ptr(),
         )
         self.fn(
             ctypes.byref(self.kernels),
@@ -227,7 +241,7 @@ class DecodeStack:
             x.data_ptr(),
             out.data_ptr(),
         )
-        return out
+        return out if kept is None else out[: len(kept)]
 
     def scratch(self, B: int) -> _Scratch:
         """Buffers for the rows between kernels, of at least B rows (the C code uses the first B

@@ -263,7 +263,7 @@ class ModelRunner:
                 sampled.append(r)
 
         device = self.device
-        self.attn.plan(seqs, device, self.dtype)
+        self.attn.plan(seqs, device, self.dtype, [r.sample for r in so.requests])
         input_ids = torch.tensor(ids, dtype=torch.long, device=device)
         pos = torch.tensor(positions, dtype=torch.long, device=device)
         with torch.inference_mode():
@@ -272,6 +272,10 @@ class ModelRunner:
                 hidden = self.model(input_ids, pos, self.attn)
             if not sampled:
                 return ModelRunnerOutput({})
+            kept = self.attn.kept_rows  # the rows hidden holds (None: all of them)
+            if kept is not None:  # the sampled rows' places among them
+                place = {row: i for i, row in enumerate(kept.tolist())}
+                sample_rows = [place[row] for row in sample_rows]
             logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=device)])
             batch = SamplingBatch(
                 sampled, [self._generator(r.request_id, r.sampling_params.seed) for r in sampled]

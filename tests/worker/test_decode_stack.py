@@ -73,9 +73,9 @@ def test_the_step_paths_say_from_which_step_size_matmuls_run_in_float32(llm, mon
     assert wide in (0, kernel.sgemm_min_rows)
 
 
-def hidden_both_ways(llm, seqs, ids):
-    """The stack's and the Python layers' hidden states for one step of `seqs`, and whether
-    the two stored the same K/V."""
+def hidden_both_ways(llm, seqs, ids, sample=None):
+    """The stack's and the Python layers' hidden states for one step of `seqs` (`sample`: which
+    of them sample, None: all), and whether the two stored the same K/V."""
     runner = llm.engine.executor
     model, attn, stack = runner.model, runner.attn, runner.decode_stack
     pos = torch.cat([torch.arange(done, done + new) for done, new, _ in seqs])
@@ -83,7 +83,7 @@ def hidden_both_ways(llm, seqs, ids):
         layer_k.normal_()
         layer_v.normal_()
     with torch.inference_mode():
-        attn.plan(seqs, torch.device("cpu"), torch.bfloat16)
+        attn.plan(seqs, torch.device("cpu"), torch.bfloat16, sample)
         expected = model(ids, pos, attn)  # stores this step's K/V, then attends
         stored = [(k.clone(), v.clone()) for k, v in attn.kv_caches]
         for k, v in attn.kv_caches:  # forget the stored K/V: the stack must write them itself
@@ -131,6 +131,12 @@ def test_prompt_and_mixed_steps_give_the_python_layers_hidden_states_bit_for_bit
     ids = torch.arange(3, 3 + sum(new for _, new, _ in seqs))
     got, expected, same_kv = hidden_both_ways(llm32, seqs, ids)
     assert got is not None and torch.equal(got, expected) and same_kv
+    # The last layer on the sampled rows alone: the first chunk does not finish its prompt.
+    sample = [True, True, False, True, True, True]
+    got, expected, same_kv = hidden_both_ways(llm32, seqs, ids, sample)
+    assert got.shape[0] == 5 and torch.equal(got, expected) and same_kv
+    got, expected, same_kv = hidden_both_ways(llm32, seqs[2:3], ids[:30], [False])
+    assert got.shape[0] == 0 and expected.shape[0] == 0 and same_kv  # K/V stored, no rows
     got, expected, same_kv = hidden_both_ways(llm32, [(0, 50, [1, 2, 3, 4])], ids[:50])
     assert got is not None and torch.equal(got, expected) and same_kv
     # With prefix caching a request may read blocks that another request of the same step is
