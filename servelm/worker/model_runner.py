@@ -272,11 +272,11 @@ class ModelRunner:
                 hidden = self.model(input_ids, pos, self.attn)
             if not sampled:
                 return ModelRunnerOutput({})
-            kept = self.attn.kept_rows  # the rows hidden holds (None: all of them)
-            if kept is not None:  # the sampled rows' places among them
-                place = {row: i for i, row in enumerate(kept.tolist())}
-                sample_rows = [place[row] for row in sample_rows]
-            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=device)])
+            rows = torch.tensor(sample_rows, device=device)
+            kept = self.attn.kept_rows  # the rows hidden holds, ascending (None: all of them)
+            if kept is not None:  # each sampled row is one of them: its place there
+                rows = torch.searchsorted(kept, rows)
+            logits = self.model.compute_logits(hidden[rows])
             batch = SamplingBatch(
                 sampled, [self._generator(r.request_id, r.sampling_params.seed) for r in sampled]
             )
