@@ -55,6 +55,8 @@ class AttentionMetadata:
     decode_max_len: int = 0
     kept_rows: torch.Tensor | None = None  # [K] rows the last layer computes; None: all rows
     decode_kept: torch.Tensor | None = None  # [Bd] the decode rows' places among those
+    sample_rows: torch.Tensor | None = None  # [S] each sampling request's last row among the
+    # rows the model returns (the kept rows, or all)
 
 
 def additive_mask(allowed: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -85,9 +87,11 @@ def build_metadata(
     slot_parts, prefills = [], []
     decode_rows, decode_blocks, decode_lens = [], [], []
     kept, decode_kept = [], []
+    last_rows, kept_places = [], []  # of the requests that sample
     row = 0
     for i, (num_computed, num_new, block_ids) in enumerate(seqs):
         ctx = num_computed + num_new
+        samples = sample is None or sample[i]
         used_blocks = block_ids[: -(-ctx // block_size)]
         new_pos = np.arange(num_computed, ctx)
         table = np.asarray(used_blocks, dtype=np.int64)
@@ -104,11 +108,13 @@ def build_metadata(
                 # query i (at position num_computed + i) sees keys 0 .. its own
                 causal = additive_mask(np.arange(ctx)[None, :] <= new_pos[:, None], dtype, device)
             blocks = torch.from_numpy(table).to(device)
-            samples = sample is None or sample[i]
             prefills.append(
                 PrefillChunk(row, num_new, ctx, blocks, causal, len(kept) if samples else -1)
             )
             kept += [row + num_new - 1] if samples else []
+        if samples:
+            last_rows.append(row + num_new - 1)
+            kept_places.append(len(kept) - 1)
         row += num_new
 
     meta = AttentionMetadata(
@@ -117,6 +123,8 @@ def build_metadata(
     if len(kept) < row:
         meta.kept_rows = torch.tensor(kept, dtype=torch.long, device=device)
         meta.decode_kept = torch.tensor(decode_kept, dtype=torch.long, device=device)
+    places = kept_places if meta.kept_rows is not None else last_rows
+    meta.sample_rows = torch.tensor(places, dtype=torch.long, device=device)
     if decode_rows:
         n, max_blocks = len(decode_rows), max(len(b) for b in decode_blocks)
         padded = np.zeros((n, max_blocks), dtype=np.int64)

@@ -185,7 +185,7 @@ class DecodeStack:
             kept = meta.decode_kept.tolist() if meta.kept_rows is not None else None
             for start, i, j in runs:  # decode rows i .. j - 1, at step rows start ..; int64 tables
                 table = blocks + 8 * i * width
-                at = kept[i] if kept else start  # (consecutive rows stay consecutive there)
+                at = start if kept is None else kept[i]  # (a run stays consecutive there)
                 parts.append(
                     _Part(start, j - i, 0, table, lens + 8 * i, width, meta.decode_max_len, at)
                 )

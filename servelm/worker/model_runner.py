@@ -251,16 +251,12 @@ class ModelRunner:
         ids: list[int] = []
         positions: list[int] = []
         seqs = []
-        sample_rows: list[int] = []
-        sampled = []
         for r in so.requests:
             n = len(r.token_ids)
             ids.extend(r.token_ids)
             positions.extend(range(r.num_computed_tokens, r.num_computed_tokens + n))
             seqs.append((r.num_computed_tokens, n, r.block_ids))
-            if r.sample:
-                sample_rows.append(len(ids) - 1)
-                sampled.append(r)
+        sampled = [r for r in so.requests if r.sample]
 
         device = self.device
         self.attn.plan(seqs, device, self.dtype, [r.sample for r in so.requests])
@@ -272,11 +268,8 @@ class ModelRunner:
                 hidden = self.model(input_ids, pos, self.attn)
             if not sampled:
                 return ModelRunnerOutput({})
-            rows = torch.tensor(sample_rows, device=device)
-            kept = self.attn.kept_rows  # the rows hidden holds, ascending (None: all of them)
-            if kept is not None:  # each sampled row is one of them: its place there
-                rows = torch.searchsorted(kept, rows)
-            logits = self.model.compute_logits(hidden[rows])
+            # hidden holds the kept rows (attention.py): the sampled requests' places there
+            logits = self.model.compute_logits(hidden[self.attn.meta.sample_rows])
             batch = SamplingBatch(
                 sampled, [self._generator(r.request_id, r.sampling_params.seed) for r in sampled]
             )

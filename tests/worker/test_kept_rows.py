@@ -26,9 +26,13 @@ def test_the_kept_rows_are_the_sampled_last_tokens_and_every_decode_row():
     assert meta.kept_rows.tolist() == [0, 40, 41, 42]
     assert meta.decode_kept.tolist() == [0, 2, 3]  # the decode rows 0, 41, 42 among them
     assert [chunk.kept for chunk in meta.prefills] == [-1, 1]
-    assert build_metadata(SEQS, BLOCK, CPU).kept_rows.tolist() == [0, 19, 40, 41, 42]
+    assert meta.sample_rows.tolist() == [0, 1, 3]  # the sampling requests' places among them
+    every = build_metadata(SEQS, BLOCK, CPU)
+    assert every.kept_rows.tolist() == [0, 19, 40, 41, 42]
+    assert every.sample_rows.tolist() == [0, 1, 2, 3, 4]
     decodes = [(5, 1, [0]), (9, 1, [1])]  # a decode step keeps every row: no list at all
-    assert build_metadata(decodes, BLOCK, CPU, sample=[True, True]).kept_rows is None
+    meta = build_metadata(decodes, BLOCK, CPU, sample=[True, False])
+    assert meta.kept_rows is None and meta.sample_rows.tolist() == [0]
 
 
 def attention_both_ways(decode, prefill):
