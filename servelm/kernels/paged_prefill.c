@@ -359,6 +359,12 @@ static void widen_chunk(const uint16_t *k_cache, const uint16_t *v_cache, const 
 #define KEY_GROUPS 4 /* chunks of 8 keys per softmax update (benchmarks vary it) */
 #endif
 
+/* Lanes (queries) that see key t: t < pos_i + 1, with past = pos + 1 */
+INLINE __m256 sees(__m256i past, int64_t t)
+{
+    return _mm256_castsi256_ps(_mm256_cmpgt_epi32(past, _mm256_set1_epi32((int)t)));
+}
+
 /* 8 queries of one head (q0 ..; rows of them real) over the widened context: see above. */
 static void attend_queries(const uint16_t *q, int64_t q_stride, const float *kt, const float *vf,
                            int64_t n, int64_t ctx, int64_t D, int64_t hq, int64_t q0,
@@ -378,7 +384,6 @@ static void attend_queries(const uint16_t *q, int64_t q_stride, const float *kt,
         }
         pos_lanes[i] = (int32_t)(first_pos + row);
     }
-    /* key t is seen by query i where t < pos_i + 1 */
     const __m256i past = _mm256_add_epi32(_mm256_loadu_si256((const __m256i *)pos_lanes),
                                           _mm256_set1_epi32(1));
     __m256 m = _mm256_set1_ps(-INFINITY), l = _mm256_setzero_ps(); /* lanes: queries */
@@ -401,9 +406,7 @@ static void attend_queries(const uint16_t *q, int64_t q_stride, const float *kt,
             transpose8(s);
             /* keys past a query's position masked (-inf) */
             for (int j = 0; j < 8; j++) {
-                const __m256i key = _mm256_set1_epi32((int)(8 * c + j));
-                const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(past, key));
-                s[j] = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s[j], keep);
+                s[j] = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s[j], sees(past, 8 * c + j));
                 top = _mm256_max_ps(top, s[j]);
                 _mm256_store_ps(pt[8 * gi + j], s[j]);
             }
@@ -414,11 +417,9 @@ static void attend_queries(const uint16_t *q, int64_t q_stride, const float *kt,
         const __m256 a = exp_approx8(_mm256_sub_ps(m, m_new));
         m = m_new;
         __m256 sum = _mm256_setzero_ps();
-        for (int j = 0; j < keys; j++) {
-            const __m256i key = _mm256_set1_epi32((int)(8 * c0 + j));
-            const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(past, key));
-            const __m256 p =
-                _mm256_and_ps(exp_approx8(_mm256_sub_ps(_mm256_load_ps(pt[j]), m_new)), keep);
+        for (int j = 0; j < keys; j++) { /* (exp_approx8 of -inf is tiny, not 0: masked again) */
+            const __m256 e = exp_approx8(_mm256_sub_ps(_mm256_load_ps(pt[j]), m_new));
+            const __m256 p = _mm256_and_ps(e, sees(past, 8 * c0 + j));
             sum = _mm256_add_ps(sum, p);
             _mm256_store_ps(pt[j], p);
         }
