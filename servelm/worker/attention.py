@@ -22,7 +22,7 @@ those rows alone, in their order: the layer's projections and MLP then run on th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -57,6 +57,9 @@ class AttentionMetadata:
     decode_kept: torch.Tensor | None = None  # [Bd] the decode rows' places among those
     sample_rows: torch.Tensor | None = None  # [S] each sampling request's last row among the
     # rows the model returns (the kept rows, or all)
+    # runs of consecutive decode rows, for the C layer loop: (first step row, first and end
+    # index among the decode rows, the first's place among the kept rows)
+    decode_runs: list[tuple[int, int, int, int]] = field(default_factory=list)
 
 
 def additive_mask(allowed: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -88,6 +91,7 @@ def build_metadata(
     decode_rows, decode_blocks, decode_lens = [], [], []
     kept, decode_kept = [], []
     last_rows, kept_places = [], []  # of the requests that sample
+    runs = []  # of consecutive decode rows: [first row, first index, end index, kept place]
     row = 0
     for i, (num_computed, num_new, block_ids) in enumerate(seqs):
         ctx = num_computed + num_new
@@ -97,6 +101,11 @@ def build_metadata(
         table = np.asarray(used_blocks, dtype=np.int64)
         slot_parts.append(table[new_pos // block_size] * block_size + new_pos % block_size)
         if num_new == 1 and num_computed > 0:
+            run = runs[-1] if runs else None
+            if run and run[0] + run[2] - run[1] == row:  # the row after the last run's
+                run[2] += 1
+            else:  # (the place among the kept rows is the row itself where all are kept)
+                runs.append([row, len(decode_rows), len(decode_rows) + 1, len(kept)])
             decode_rows.append(row)
             decode_blocks.append(used_blocks)
             decode_lens.append(ctx)
@@ -120,6 +129,7 @@ def build_metadata(
     meta = AttentionMetadata(
         torch.from_numpy(np.concatenate(slot_parts)).to(device), None, None, None, None, prefills
     )
+    meta.decode_runs = [tuple(run) for run in runs]
     if len(kept) < row:
         meta.kept_rows = torch.tensor(kept, dtype=torch.long, device=device)
         meta.decode_kept = torch.tensor(decode_kept, dtype=torch.long, device=device)

@@ -171,23 +171,12 @@ class DecodeStack:
         """This step's parts (see decode_stack.c) and the prefill scratch they need."""
         meta, parts, scratch = self.attn.meta, [], 0
         if meta.decode_lens is not None:  # runs of consecutive decode rows, one part each
-            n = meta.decode_lens.shape[0]
-            if meta.decode_rows is None:  # an all-decode step: one run of every row
-                runs = [(0, 0, n)]
-            else:  # a run ends where the next decode row is not the next row of the step
-                rows, runs, i = meta.decode_rows.tolist(), [], 0
-                for j in range(1, n + 1):
-                    if j == n or rows[j] != rows[j - 1] + 1:
-                        runs.append((rows[i], i, j))
-                        i = j
             width, blocks = meta.decode_blocks.shape[1], meta.decode_blocks.data_ptr()
             lens = meta.decode_lens.data_ptr()
-            kept = meta.decode_kept.tolist() if meta.kept_rows is not None else None
-            for start, i, j in runs:  # decode rows i .. j - 1, at step rows start ..; int64 tables
+            for start, i, j, kept in meta.decode_runs:  # decode rows i .. j - 1; int64 tables
                 table = blocks + 8 * i * width
-                at = start if kept is None else kept[i]  # (a run stays consecutive there)
                 parts.append(
-                    _Part(start, j - i, 0, table, lens + 8 * i, width, meta.decode_max_len, at)
+                    _Part(start, j - i, 0, table, lens + 8 * i, width, meta.decode_max_len, kept)
                 )
         for c in meta.prefills:
             table = c.context_blocks

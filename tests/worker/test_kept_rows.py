@@ -25,14 +25,17 @@ def test_the_kept_rows_are_the_sampled_last_tokens_and_every_decode_row():
     # rows: 0 decode | 1-19 chunk | 20-40 prompt | 41 one token | 42 decode
     assert meta.kept_rows.tolist() == [0, 40, 41, 42]
     assert meta.decode_kept.tolist() == [0, 2, 3]  # the decode rows 0, 41, 42 among them
+    assert meta.decode_runs == [(0, 0, 1, 0), (41, 1, 3, 2)]  # rows 41-42: one run
     assert [chunk.kept for chunk in meta.prefills] == [-1, 1]
     assert meta.sample_rows.tolist() == [0, 1, 3]  # the sampling requests' places among them
     every = build_metadata(SEQS, BLOCK, CPU)
     assert every.kept_rows.tolist() == [0, 19, 40, 41, 42]
     assert every.sample_rows.tolist() == [0, 1, 2, 3, 4]
+    assert every.decode_runs == [(0, 0, 1, 0), (41, 1, 3, 3)]
     decodes = [(5, 1, [0]), (9, 1, [1])]  # a decode step keeps every row: no list at all
     meta = build_metadata(decodes, BLOCK, CPU, sample=[True, False])
     assert meta.kept_rows is None and meta.sample_rows.tolist() == [0]
+    assert meta.decode_runs == [(0, 0, 2, 0)]  # every row kept: places are the rows
 
 
 def attention_both_ways(decode, prefill):
