@@ -27,6 +27,10 @@ _UNITS = {
 # batches prompts nearly free: no cap there.)
 CPU_PREFILL_ADMIT_TOKENS = 512
 
+# The least each scheduler limit may be: below it no request would ever be scheduled (the
+# command lines' types and SchedulerConfig both hold to it)
+SCHEDULER_LEAST = {"max_num_seqs": 1, "max_num_batched_tokens": 1, "max_prefill_admit_tokens": 0}
+
 
 def bounded_int(least: int, most: int | None = None, error: str = "not an integer >= {least}"):
     """An argparse type: an integer from `least` to `most` (None: no upper bound); anything else
@@ -49,6 +53,11 @@ def bounded_int(least: int, most: int | None = None, error: str = "not an intege
 
 # A TCP port: 0 (any free one) to 65535
 port_number = bounded_int(0, 65535, "not a port ({least}-{most})")
+
+
+def scheduler_limit(name: str):
+    """The argparse type of a scheduler limit's flag (`SCHEDULER_LEAST`)."""
+    return bounded_int(SCHEDULER_LEAST[name])
 
 
 def parse_size(text: str | int | None) -> int | None:
@@ -136,11 +145,15 @@ class EngineArgs:
             "int16 under either integer width",
         )
         g.add_argument("--max-model-len", type=int, default=None)
-        g.add_argument("--max-num-seqs", type=bounded_int(1), default=64)
-        g.add_argument("--max-num-batched-tokens", type=bounded_int(1), default=2048)
+        g.add_argument("--max-num-seqs", type=scheduler_limit("max_num_seqs"), default=64)
+        g.add_argument(
+            "--max-num-batched-tokens",
+            type=scheduler_limit("max_num_batched_tokens"),
+            default=2048,
+        )
         g.add_argument(
             "--max-prefill-admit-tokens",
-            type=bounded_int(0),
+            type=scheduler_limit("max_prefill_admit_tokens"),
             default=None,
             help="admit new prompts into a step only while its prompt tokens are fewer than "
             "this (a prompt admitted is not cut short for it); 0: up to the step budget "

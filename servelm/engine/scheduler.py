@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from servelm.config import SCHEDULER_LEAST
 from servelm.engine.kv_cache import KVCacheManager
 from servelm.engine.outputs import (
     EngineCoreOutput,
@@ -43,11 +44,7 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         # Below these, no request would ever be scheduled: every caller (the command lines,
         # LLM, the simulator) gets an error instead of a server that waits for good.
-        for name, least in (
-            ("max_num_seqs", 1),
-            ("max_num_batched_tokens", 1),
-            ("max_prefill_admit_tokens", 0),
-        ):
+        for name, least in SCHEDULER_LEAST.items():
             if getattr(self, name) < least:
                 raise ValueError(f"{name} must be >= {least}, got {getattr(self, name)}")
 

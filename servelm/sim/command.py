@@ -27,7 +27,7 @@ from servelm.bench.report import server_table, summary_table
 from servelm.bench.results import BenchResult, Load
 from servelm.bench.stats import SLO
 from servelm.bench.workload import LENGTH_DISTS, PRESETS, WorkloadSpec
-from servelm.config import bounded_int
+from servelm.config import scheduler_limit
 from servelm.planner.catalog import GPUS
 from servelm.planner.shapes import KV_BYTES, WEIGHT_BYTES, ShapeError
 from servelm.sim.config import POLICIES, SimConfig, resolve
@@ -55,11 +55,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     dep.add_argument("--allowance-gb", type=float, default=2.0)
     dep.add_argument("--kv-cache-gb", type=float, help="KV pool per replica (measured profiles)")
     dep.add_argument("--block-size", type=int, default=16)
-    dep.add_argument("--max-num-seqs", type=bounded_int(1),
+    dep.add_argument("--max-num-seqs", type=scheduler_limit("max_num_seqs"),
                      help="default: 256 on a --gpu, servelm serve's default with --profile")  # fmt: skip
-    dep.add_argument("--max-num-batched-tokens", type=bounded_int(1),
+    dep.add_argument("--max-num-batched-tokens", type=scheduler_limit("max_num_batched_tokens"),
                      help="default: 2048 on a --gpu, servelm serve's default with --profile")  # fmt: skip
-    dep.add_argument("--max-prefill-admit-tokens", type=bounded_int(0),
+    dep.add_argument("--max-prefill-admit-tokens", type=scheduler_limit("max_prefill_admit_tokens"),
                      help="as servelm serve's flag; default: 0 (none) on a --gpu, serve's with "
                      "--profile")  # fmt: skip
     dep.add_argument("--max-model-len", type=int)
