@@ -89,8 +89,7 @@ def first_answer_s(
     """Seconds from launching `servelm serve` (or `peer`) until a completion request is answered.
 
     One client asks every 50 ms. (`httpx.post` makes a client, and with it an SSL context,
-    per call: 34 ms of CPU per attempt here, which took 40 % of one of the two cores away from
-    the start being timed; a cold start's weights took 3.2-3.9 s to load instead of 1.8-2.0.)
+    per call, CPU taken from the start being timed; see docs/performance.md.)
     A peer is asked for its model's name first (GET /v1/models), in the same loop.
     """
     client = httpx.Client(timeout=5)

@@ -19,8 +19,8 @@ def wait_healthy(
 ) -> None:
     """GET `url` every `interval_s` until it answers 200. RuntimeError, with what `log()` says,
     if `proc` exits first or `timeout_s` passes. One client throughout: `httpx.get` makes a
-    client (and an SSL context) per call, 34 ms of CPU that a starting server on a 2-core
-    machine would lose to the poller."""
+    client (and an SSL context) per call, CPU that a starting server on a small machine would
+    lose to the poller (docs/performance.md)."""
     deadline = time.monotonic() + timeout_s
     with httpx.Client(timeout=2) as client:
         while time.monotonic() < deadline:

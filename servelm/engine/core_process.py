@@ -33,8 +33,8 @@ def bound_openmp_spin() -> None:
 
     Between two parallel regions libgomp's threads spin. When anything else wants a core (the
     API process streaming tokens, a second server, a test runner), a spinning thread holds the
-    core while the thread it waits for is descheduled: on 2 cores with one busy neighbour a
-    decode step took 2.4 s instead of 44 ms. A short spin keeps most of the benefit of spinning
+    core while the thread it waits for is descheduled, and a step can take many times as long
+    (docs/performance.md). A short spin keeps most of the benefit of spinning
     on a quiet machine. An explicit OMP_WAIT_POLICY or GOMP_SPINCOUNT is left alone. The
     offline `LLM` calls it too, in its constructor before torch loads, for the same reason.
     """

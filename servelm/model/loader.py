@@ -278,8 +278,7 @@ def build_model(
     # Int4 and int8 copies made now are made from the checkpoint's own values, so matmul weights
     # then load in float32 first and take the model's dtype afterwards. Kept copies that the C
     # kernel serves at every row leave the projections' plain weights unread (`use_int4` frees
-    # them): those are neither allocated nor loaded, which on the default model is 0.3 s of a
-    # start in-process and more in a server (the API process starts on the other core).
+    # them): those are neither allocated nor loaded, which shortens a start (docs/performance.md).
     skip = frozenset()
     if kept is not None and c_int4_max_rows(quant_kernel) == ALL_ROWS:
         skip = frozenset(f"{name}.weight" for name in linears)

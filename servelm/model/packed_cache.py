@@ -1,14 +1,13 @@
 """A store model's quantized matmul weights, packed for servelm's C kernel, kept between starts.
 
 Making them is most of loading the default model: rounding 120 projections to their Q4_1 grid
-and the head to Q8_0, then packing both into the kernel's layout (0.9 s of 1.4 s here, more in
-a server, whose API process starts on the other core meanwhile). A model in servelm's store
-keeps them in its folder, under `.packed/`, in one safetensors file named by a key of all they
-depend on: the model's files (name, size, modification time), the kernel's sources (its
-layout), the dtype and the quantization mode. The next start of the same model reads that file
-instead. Anything else (another key, a file that does not read, a folder outside the store)
-makes them again, as before; a failure to write the file costs nothing but the next start's
-time.
+and the head to Q8_0, then packing both into the kernel's layout (times in
+docs/performance.md). A model in servelm's store keeps them in its folder, under `.packed/`, in
+one safetensors file named by a key of all they depend on: the model's files (name, size,
+modification time), the kernel's sources (its layout), the dtype and the quantization mode. The
+next start of the same model reads that file instead. Anything else (another key, a file that
+does not read, a folder outside the store) makes them again, as before; a failure to write the
+file costs nothing but the next start's time.
 """
 
 from __future__ import annotations

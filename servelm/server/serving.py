@@ -42,20 +42,18 @@ class ServerState:
 
 
 # Text at least this long is tokenized on a worker thread: the tokenizer releases the GIL, so the
-# event loop goes on answering and streaming meanwhile. 130,000 characters of varied words take
-# 35-41 ms to encode on this project's CPU; while a server refused a dozen such prompts in a
-# row, /health took up to 52 ms (p99 42-44) with the encode on the loop, 6 ms (p99 5.3-5.6)
-# with it here. Shorter text is encoded in place: 8,192 characters take 1.6 ms, and the hop to
-# a thread and back costs 0.1 ms of that again.
+# event loop goes on answering and streaming meanwhile. Shorter text is encoded in place, where
+# the hop to a thread and back would be a sizeable share of the encode. The measurements:
+# docs/performance.md, "server/serving.py: THREAD_ENCODE_CHARS".
 THREAD_ENCODE_CHARS = 8192
 
 
 def _yield_to_the_engine() -> None:
     """The tokenizer thread runs at SCHED_IDLE (Linux): only on a core nothing else wants. On a
     small CPU box the engine's OpenMP threads stall at every barrier while any other thread
-    holds a core; a stream's worst token gaps while 130,000-character prompts were tokenized
-    went from p99 91-93 ms to 44-62 ms (2 cores). The cost: under full load a long prompt's
-    tokenizing waits for idle moments (its prefill would wait for the engine anyway)."""
+    holds a core, which shows as gaps in every stream (docs/performance.md). The cost: under
+    full load a long prompt's tokenizing waits for idle moments (its prefill would wait for the
+    engine anyway)."""
     if hasattr(os, "SCHED_IDLE"):
         try:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
