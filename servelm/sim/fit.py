@@ -33,6 +33,8 @@ from servelm.sim.roofline import DeviceProfile, ModelCost, measured_profile, ste
 
 _UNIT = measured_profile(1.0, 1.0)  # with unit rates, compute_s = FLOPs and memory_s = bytes
 NEVER_BINDS = 1e30  # the rate of a term the fit found never binds
+# squared errors closer than this (relative to |y|^2: residuals within 1e-10 of |y|) are a tie
+TIE = 1e-20
 
 
 @dataclass(frozen=True)
@@ -45,9 +47,16 @@ class TimedStep:
 
 
 def nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """argmin |a x - y| subject to x >= 0, exactly, by trying every support (few columns)."""
+    """argmin |a x - y| subject to x >= 0, exactly, by trying every support (few columns).
+
+    Supports that fit equally well (columns the points cannot tell apart, such as the fixed
+    and the per-request cost on steps of one request each) differ in error only by rounding,
+    and rounding differs with the CPU's BLAS kernels; so a support replaces the best only if
+    it fits better by more than `TIE`, and among equals the first with the fewest columns
+    wins, whatever the host."""
     cols = a.shape[1]
     best, best_err = np.zeros(cols), float(np.sum(y * y))
+    tie = TIE * best_err
     for k in range(1, cols + 1):
         for support in itertools.combinations(range(cols), k):
             sub = a[:, support]
@@ -55,7 +64,7 @@ def nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
             if np.any(x < 0):
                 continue
             err = float(np.sum((sub @ x - y) ** 2))
-            if err < best_err:
+            if err < best_err - tie:
                 best_err = err
                 best = np.zeros(cols)
                 best[list(support)] = x
@@ -147,7 +156,7 @@ def _fit_one(
             compute = bound
             x = solve(compute)
         err = error(x)
-        if err < best_err:
+        if err < best_err - 1e-10:  # a relative RMS error: the first start wins a tie
             best, best_err = x, err
     a, b, c, d = (float(v) for v in best)
     return measured_profile(

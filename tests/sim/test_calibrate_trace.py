@@ -255,7 +255,10 @@ def test_a_trace_from_an_engine_with_float32_wide_steps_fits_them_apart(tmp_path
     cal = calibrate_from_trace(path, str(tiny_model_dir))
     fitted = cal.profile_file.profile
     assert fitted.wide_step_min_tokens == 192 and fitted.decode_stack is None
-    assert fitted.wide_step.step_overhead_s == pytest.approx(0.080, rel=0.02)
+    # Each wide step is one prompt alone: its fixed and per-request costs (80 + 1 ms) cannot be
+    # told apart, and the fixed cost takes both, on every CPU (test_fit.py).
+    assert fitted.wide_step.step_overhead_s == pytest.approx(0.081, rel=1e-6)
+    assert fitted.wide_step.per_request_s == 0.0
     assert max(abs(e) for e in cal.held_out_errors) < 0.01
     cal.profile_file.write(tmp_path / "cpu.json")
     assert load_profile(tmp_path / "cpu.json").profile == fitted
