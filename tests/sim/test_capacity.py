@@ -9,10 +9,10 @@ time of an M/D/1 queue plus the prefill itself, D = 0.234 s here. For Poisson ar
 stays under 1 s up to about 2.0/s (D = 0.24 s), 2.4/s (D = 0.22 s) or 2.8/s (D = 0.20 s), and a
 little less in the engine, where a finishing prompt's last chunk shares its step with the next
 prompt's first tokens (so vLLM's 8,192-token budget on an H100 lowers it further). On this
-test's arrival stream the datasheet profile (2,000-token prefill 74 ms) reaches 1.75/s; 2/s
-takes a matmul efficiency of 0.42 instead of 0.40 (prefill 71 ms, the edge of the 70-130 ms
-prefill spec), 2.25/s takes 0.45 (66 ms, outside it). The two specs leave no honest margin, so
-the lower bound is an expected failure until one of them moves.
+test's arrival stream the datasheet profile (2,000-token prefill 74 ms) reaches 1.75/s. Issue #5
+asked for both a 70-130 ms prefill and a rag capacity of at least 2/s, which by the queue above
+cannot both hold (2/s takes a 71 ms prefill); issue #29 moved the capacity's lower bound to
+1.5/s, which the datasheet profile meets (1.75/s).
 """
 
 import pytest
@@ -47,18 +47,10 @@ def test_chat_ttft_is_flat_then_climbs_at_the_knee(chat_capacity):
     assert ttft_p50(CHAT, 1.15 * chat_capacity, 1000) > 10 * unloaded  # requests queue
 
 
-def test_rag_capacity_misses_at_4_5():
-    assert meets_at(resolve(RAG.with_(num_requests=600)), 4.5) < RAG.capacity_threshold
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="spec conflict: TTFT p99 < 1 s at 2/s needs a 2,000-token prefill of <= 71 ms, the "
-    "edge of the 70-130 ms prefill spec; the datasheet profile (74 ms) reaches 1.75/s. See the "
-    "module docstring.",
-)
-def test_rag_capacity_at_least_2():
-    assert meets_at(resolve(RAG.with_(num_requests=600)), 2.0) >= RAG.capacity_threshold
+def test_rag_capacity_is_between_1_5_and_4_5():
+    rag = resolve(RAG.with_(num_requests=600))
+    assert meets_at(rag, 1.5) >= RAG.capacity_threshold
+    assert meets_at(rag, 4.5) < RAG.capacity_threshold
 
 
 def test_rag_saturates_near_3_per_second_with_the_kv_pool_full():
