@@ -82,6 +82,7 @@ class EngineArgs:
     device: str = "auto"
     kernels: str = "auto"  # auto: servelm's C kernels on the CPU where they build; torch
     int4_activations: str = "int16"  # how the C kernel's int4 matmuls take x (AVX2 path)
+    batch_invariant: bool = True  # a request's greedy tokens the same whatever its step holds
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -143,6 +144,15 @@ class EngineArgs:
             "float32), or to int8 as llama.cpp does (faster again, about 0.7 %% off: more "
             "answers drift from transformers'), or in float32; the Q8_0 logits head takes "
             "int16 under either integer width",
+        )
+        g.add_argument(
+            "--batch-invariant",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="compute every token alike whatever else its step holds, so that greedy "
+            "output is the same sent alone, in a batch, chunked, after a prefix-cache hit or "
+            "after preemption (the C kernels on the CPU; default); --no-batch-invariant picks "
+            "kernels by the step's size for speed (docs/performance.md)",
         )
         g.add_argument("--max-model-len", type=int, default=None)
         g.add_argument("--max-num-seqs", type=scheduler_limit("max_num_seqs"), default=64)

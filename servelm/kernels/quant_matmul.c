@@ -89,7 +89,7 @@ static void group_sums(const uint16_t *x, float *xs, int64_t B, int64_t K)
  * unroll and the accumulators stay in registers). Two dot-product chains per row of x, low and
  * high nibbles, so the FMA units do not wait on one chain. */
 INLINE void Q4_block(const uint16_t *x, const float *xs, const uint8_t *w, uint16_t *y,
-                     int64_t N, int64_t K, const int B)
+                     int64_t N, int64_t K, const int B, const int fixed)
 {
     const int64_t G = K / GROUP;
     const __m512i low_nibble = _mm512_set1_epi16(0x000f), bias = _mm512_set1_epi16(0x4300);
@@ -97,8 +97,9 @@ INLINE void Q4_block(const uint16_t *x, const float *xs, const uint8_t *w, uint1
     for (int b = 0; b < B; b++)
         acc[b] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; g++, w += Q4_BYTES) {
-        /* two more chains (odd chunks) where few rows of x give too few to hide the latency */
-        const int CHAINS = B <= 2 ? 2 : 1;
+        /* two more chains (odd chunks) where few rows of x give too few to hide the latency;
+         * `fixed`: one chain whatever B, so that a row's sums do not depend on its batch */
+        const int CHAINS = B <= 2 && !fixed ? 2 : 1;
         __m512 lo_sum[MAX_B][2], hi_sum[MAX_B][2];
         for (int b = 0; b < B; b++)
             for (int k = 0; k < CHAINS; k++)
@@ -185,9 +186,9 @@ INLINE __m256 load_half_quads(const uint16_t *p)
  * x then runs through them with its pairs (x[2c], x[2c + 1]) broadcast to every lane pair; at the
  * group's end hadd sums each pair into its row. Eight chains of FMAs per row of x. */
 INLINE void Q4_block(const uint16_t *x, const float *f, const uint8_t *w, uint16_t *y,
-                     int64_t N, int64_t K, const int B)
+                     int64_t N, int64_t K, const int B, const int fixed)
 {
-    (void)x;
+    (void)x, (void)fixed; /* each row's sums are the same whatever B */
     const int64_t G = K / GROUP;
     const __m256i nibble = _mm256_set1_epi32(15);
     __m256 acc[MAX_B][2];
@@ -262,9 +263,9 @@ INLINE void Q4_block(const uint16_t *x, const float *f, const uint8_t *w, uint16
 #define Q4_READS_X_F32 1
 
 INLINE void Q4_block(const uint16_t *x, const float *f, const uint8_t *w, uint16_t *y,
-                     int64_t N, int64_t K, const int B)
+                     int64_t N, int64_t K, const int B, const int fixed)
 {
-    (void)x;
+    (void)x, (void)fixed; /* each row's sums are the same whatever B */
     const int64_t G = K / GROUP;
     float acc[MAX_B][LANES] = {{0}};
     for (int64_t g = 0; g < G; g++, w += Q4_BYTES) {
@@ -299,12 +300,13 @@ INLINE void Q4_block(const uint16_t *x, const float *f, const uint8_t *w, uint16
 
 /* One block of 16 rows against B rows of x (in float32, xf [B, K]). Up to four chains of FMAs
  * per row of x, as in Q4_block. */
-INLINE void Q8_block(const uint16_t *x, const float *xf, const uint8_t *w, uint16_t *y,
-                     int64_t N, int64_t K, const int B)
+INLINE void Q8_block(const uint16_t *x, const float *xf, const uint8_t *w, float *y,
+                     int64_t N, int64_t K, const int B, const int fixed)
 {
     (void)x;
     const int64_t G = K / GROUP;
-    const int CHAINS = B == 1 ? 4 : (B == 2 ? 2 : 1);
+    /* `fixed`: two chains whatever B, so that a row's sums do not depend on its batch */
+    const int CHAINS = fixed ? 2 : (B == 1 ? 4 : (B == 2 ? 2 : 1));
     __m512 acc[MAX_B];
     for (int b = 0; b < B; b++)
         acc[b] = _mm512_setzero_ps();
@@ -333,7 +335,7 @@ INLINE void Q8_block(const uint16_t *x, const float *xf, const uint8_t *w, uint1
         }
     }
     for (int b = 0; b < B; b++)
-        store_bf16(y + b * N, acc[b]);
+        _mm512_storeu_ps(y + b * N, acc[b]);
 }
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -342,10 +344,10 @@ INLINE void Q8_block(const uint16_t *x, const float *xf, const uint8_t *w, uint1
 /* One block of 16 rows against B rows of x (in float32, xf [B, K]), with AVX2's 8-lane FMAs:
  * each group's quants unpacked once into float32 (rows 0-7 and 8-15 of input j), then every row
  * of x through them, in four chains of FMAs per half. */
-INLINE void Q8_block(const uint16_t *x, const float *xf, const uint8_t *w, uint16_t *y,
-                     int64_t N, int64_t K, const int B)
+INLINE void Q8_block(const uint16_t *x, const float *xf, const uint8_t *w, float *y,
+                     int64_t N, int64_t K, const int B, const int fixed)
 {
-    (void)x;
+    (void)x, (void)fixed; /* each row's sums are the same whatever B */
     const int64_t G = K / GROUP;
     __m256 acc[MAX_B][2];
     for (int b = 0; b < B; b++)
@@ -382,17 +384,17 @@ INLINE void Q8_block(const uint16_t *x, const float *xf, const uint8_t *w, uint1
         }
     }
     for (int b = 0; b < B; b++) {
-        store_bf16_8(y + b * N, acc[b][0]);
-        store_bf16_8(y + b * N + 8, acc[b][1]);
+        _mm256_storeu_ps(y + b * N, acc[b][0]);
+        _mm256_storeu_ps(y + b * N + 8, acc[b][1]);
     }
 }
 
 #else
 
-INLINE void Q8_block(const uint16_t *x, const float *xf, const uint8_t *w, uint16_t *y,
-                     int64_t N, int64_t K, const int B)
+INLINE void Q8_block(const uint16_t *x, const float *xf, const uint8_t *w, float *y,
+                     int64_t N, int64_t K, const int B, const int fixed)
 {
-    (void)x;
+    (void)x, (void)fixed;
     const int64_t G = K / GROUP;
     float acc[MAX_B][LANES] = {{0}};
     for (int64_t g = 0; g < G; g++, w += Q8_BYTES) {
@@ -408,46 +410,69 @@ INLINE void Q8_block(const uint16_t *x, const float *xf, const uint8_t *w, uint1
     }
     for (int b = 0; b < B; b++)
         for (int i = 0; i < LANES; i++)
-            y[b * N + i] = float_to_bf16(acc[b][i]);
+            y[b * N + i] = acc[b][i];
 }
 
 #endif
 
 /* Every block of W against B <= PASS_B rows of x, the blocks split between the threads. `f` is
  * what the block function reads besides x: group sums (q4; and x in float32 after them, where
- * Q4_READS_X_F32) or x in float32 (q8). */
-#define PASS(KIND, B_)                                                                         \
-    static void KIND##_pass_##B_(const uint16_t *x, const float *f, const uint8_t *w,          \
-                                 uint16_t *y, int64_t N, int64_t K)                            \
+ * Q4_READS_X_F32) or x in float32 (q8). y is bfloat16 (q4) or float32 (q8, the logits).
+ * `fixed`: each row's arithmetic the same whatever B (see q4_batch_invariant). */
+#define PASS(KIND, Y, B_)                                                                      \
+    static void KIND##_pass_##B_(const uint16_t *x, const float *f, const uint8_t *w, void *y, \
+                                 int64_t N, int64_t K, int fixed)                              \
     {                                                                                          \
         const int64_t bytes = (K / GROUP) * KIND##_BYTES;                                     \
         _Pragma("omp parallel for schedule(static)")                                           \
-        for (int64_t n = 0; n < N / LANES; n++)                                                \
-            KIND##_block(x, f, w + n * bytes, y + n * LANES, N, K, B_);                       \
+        for (int64_t n = 0; n < N / LANES; n++) {                                              \
+            if (fixed)                                                                         \
+                KIND##_block(x, f, w + n * bytes, (Y *)y + n * LANES, N, K, B_, 1);            \
+            else                                                                               \
+                KIND##_block(x, f, w + n * bytes, (Y *)y + n * LANES, N, K, B_, 0);            \
+        }                                                                                      \
     }
-#define PASSES(KIND)                                                                           \
-    PASS(KIND, 1) PASS(KIND, 2) PASS(KIND, 3) PASS(KIND, 4)                                    \
-    PASS(KIND, 5) PASS(KIND, 6) PASS(KIND, 7) PASS(KIND, 8)                                    \
-    PASS(KIND, 9) PASS(KIND, 10) PASS(KIND, 11) PASS(KIND, 12)                                 \
-    PASS(KIND, 13) PASS(KIND, 14) PASS(KIND, 15) PASS(KIND, 16)                                \
+#define PASSES(KIND, Y)                                                                        \
+    PASS(KIND, Y, 1) PASS(KIND, Y, 2) PASS(KIND, Y, 3) PASS(KIND, Y, 4)                        \
+    PASS(KIND, Y, 5) PASS(KIND, Y, 6) PASS(KIND, Y, 7) PASS(KIND, Y, 8)                        \
+    PASS(KIND, Y, 9) PASS(KIND, Y, 10) PASS(KIND, Y, 11) PASS(KIND, Y, 12)                     \
+    PASS(KIND, Y, 13) PASS(KIND, Y, 14) PASS(KIND, Y, 15) PASS(KIND, Y, 16)                    \
     static const pass_fn KIND##_passes[MAX_B + 1] = {                                          \
         0,              KIND##_pass_1,  KIND##_pass_2,  KIND##_pass_3,  KIND##_pass_4,         \
         KIND##_pass_5,  KIND##_pass_6,  KIND##_pass_7,  KIND##_pass_8,  KIND##_pass_9,         \
         KIND##_pass_10, KIND##_pass_11, KIND##_pass_12, KIND##_pass_13, KIND##_pass_14,        \
         KIND##_pass_15, KIND##_pass_16};
 
-typedef void (*pass_fn)(const uint16_t *, const float *, const uint8_t *, uint16_t *, int64_t,
-                        int64_t);
-PASSES(Q4)
-PASSES(Q8)
+typedef void (*pass_fn)(const uint16_t *, const float *, const uint8_t *, void *, int64_t,
+                        int64_t, int);
+PASSES(Q4, uint16_t)
+PASSES(Q8, float)
 
-/* x [B, K] in passes of PASS_B rows; f holds f_per_row floats for each row of x. */
+/* Batch invariance (on unless the engine turns it off): every row of x is computed by the same
+ * arithmetic whatever the number of rows in the call, so that a token's outputs do not depend
+ * on what else its step holds (docs/performance.md, "Batch invariance"). Off, the kernel picks
+ * by row count: AMX tiles from AMX_MIN_B rows, integer x from QX_MIN_B, more FMA chains for a
+ * row or two. */
+static int invariant = 1;
+
+/* Sets it (0 or 1), or with -1 only asks; returns the setting now in force. For the whole
+ * process, as q4_activation_bits. */
+int64_t q4_batch_invariant(int64_t on)
+{
+    if (on == 0 || on == 1)
+        invariant = (int)on;
+    return invariant;
+}
+
+/* x [B, K] in passes of PASS_B rows; f holds f_per_row floats for each row of x; y's rows are
+ * N elements of y_size bytes. */
 static void run(const pass_fn *passes, const uint16_t *x, const float *f, int64_t f_per_row,
-                const uint8_t *w, uint16_t *y, int64_t B, int64_t N, int64_t K)
+                const uint8_t *w, void *y, int64_t y_size, int64_t B, int64_t N, int64_t K)
 {
     for (int64_t b0 = 0; b0 < B; b0 += PASS_B) {
         const int64_t nb = B - b0 < PASS_B ? B - b0 : PASS_B;
-        passes[nb](x + b0 * K, f + b0 * f_per_row, w, y + b0 * N, N, K);
+        passes[nb](x + b0 * K, f + b0 * f_per_row, w, (char *)y + b0 * N * y_size, N, K,
+                   invariant);
     }
 }
 
@@ -831,9 +856,9 @@ INLINE void dots_q8_int16(const int16_t *a, const uint8_t *wg, int64_t K, int64_
 }
 
 /* One block of 16 rows of W (q4, or q8 where `q8`) against R rows of quantized x -> y [R, 16 of
- * N] bfloat16 */
+ * N], bfloat16 (q4) or float32 (q8) */
 INLINE void int_tile(const void *a, const float *d, const float *xs, const uint8_t *w,
-                     uint16_t *y, int64_t N, int64_t K, const int R, const int bits, const int q8)
+                     void *y, int64_t N, int64_t K, const int R, const int bits, const int q8)
 {
     const int64_t G = K / GROUP;
     const int ordered = q8 || bits == 16; /* sums in lanes of rows 0-7, 8-15 (else as int8's) */
@@ -869,14 +894,19 @@ INLINE void int_tile(const void *a, const float *d, const float *xs, const uint8
     }
     for (int r = 0; r < R; r++) { /* int8's lanes back into the rows' order */
         const __m256 a0 = acc[r][0], a1 = acc[r][1];
-        store_bf16_8(y + r * N, ordered ? a0 : _mm256_permute2f128_ps(a0, a1, 0x20));
-        store_bf16_8(y + r * N + 8, ordered ? a1 : _mm256_permute2f128_ps(a0, a1, 0x31));
+        if (q8) {
+            _mm256_storeu_ps((float *)y + r * N, a0);
+            _mm256_storeu_ps((float *)y + r * N + 8, a1);
+            continue;
+        }
+        store_bf16_8((uint16_t *)y + r * N, ordered ? a0 : _mm256_permute2f128_ps(a0, a1, 0x20));
+        store_bf16_8((uint16_t *)y + r * N + 8, ordered ? a1 : _mm256_permute2f128_ps(a0, a1, 0x31));
     }
 }
 
 /* int_tile for `rows` (1 to QX_ROWS) rows, R a constant in each call */
 INLINE void int_tiles(const void *a, const float *d, const float *xs, const uint8_t *w,
-                      uint16_t *y, int64_t N, int64_t K, int64_t rows, const int bits,
+                      void *y, int64_t N, int64_t K, int64_t rows, const int bits,
                       const int q8)
 {
     switch (rows) {
@@ -890,7 +920,7 @@ INLINE void int_tiles(const void *a, const float *d, const float *xs, const uint
 /* y [B, N] = x [B, K] W^T through x in integers of `bits` (q4; q8 takes 16 only): x is
  * quantized, then taken in chunks that stay in L2, each chunk's tiles of rows through every
  * block of W, the blocks split between the threads. */
-static void gemm_int(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t B, int64_t N,
+static void gemm_int(const uint16_t *x, const uint8_t *w, void *y, int64_t B, int64_t N,
                      int64_t K, int bits, int q8)
 {
     const int64_t G = K / GROUP, row_bytes = 2 * K; /* int16, or int8 pairs twice */
@@ -908,7 +938,7 @@ static void gemm_int(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t B
             for (int64_t b = b0; b < b1; b += QX_ROWS) {
                 const void *a = scratch + b * row_bytes;
                 const uint8_t *wn = w + n * block_bytes;
-                uint16_t *yb = y + b * N + n * LANES;
+                void *yb = (char *)y + (b * N + n * LANES) * (q8 ? 4 : 2);
                 const int64_t rows = b1 - b < QX_ROWS ? b1 - b : QX_ROWS;
                 if (q8) /* bits and q8 constants in each call, for the tile's inlining */
                     int_tiles(a, d + b * G, xs + b * G, wn, yb, N, K, rows, 16, 1);
@@ -966,7 +996,7 @@ void q4_dequantize_f32(const uint8_t *w, float *out, int64_t N, int64_t K)
 int64_t q4_tile_min_rows(void)
 {
 #ifdef HAVE_AMX
-    return amx_granted() ? AMX_MIN_B : 0;
+    return amx_granted() ? (invariant ? 1 : AMX_MIN_B) : 0;
 #else
     return 0;
 #endif
@@ -986,19 +1016,21 @@ int64_t q4_activation_bits(int64_t bits)
     return q4_x_bits;
 }
 
-/* x [B, K] bfloat16; w [N / 16, K / 32, Q4_BYTES or Q8_BYTES] as above; y [B, N] bfloat16.
- * K % 32 == 0 and N % 16 == 0 (the caller checks). */
+/* x [B, K] bfloat16; w [N / 16, K / 32, Q4_BYTES or Q8_BYTES] as above; y [B, N], bfloat16
+ * (q4) or float32 (q8: the logits). K % 32 == 0 and N % 16 == 0 (the caller checks). Batch
+ * invariant, one path serves every B: the tiles where there are tiles, else integer x where
+ * this build has it, else the vector (or plain C) blocks with fixed chains. */
 void q4_matmul_bf16(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t B, int64_t N,
                     int64_t K)
 {
 #ifdef HAVE_AMX
-    if (B >= AMX_MIN_B && amx_granted()) {
+    if (B >= (invariant ? 1 : AMX_MIN_B) && amx_granted()) {
         q4_gemm_amx(x, w, y, B, N, K);
         return;
     }
 #endif
 #if Q4_INT8
-    if (q4_x_bits && B >= QX_MIN_B) {
+    if (q4_x_bits && B >= (invariant ? 1 : QX_MIN_B)) {
         gemm_int(x, w, y, B, N, K, q4_x_bits, 0);
         return;
     }
@@ -1010,15 +1042,15 @@ void q4_matmul_bf16(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t B,
         for (int64_t k = 0; k < (Q4_READS_X_F32 ? K : 0); k++)
             f[b * per_row + G + k] = bf16_to_float(x[b * K + k]);
     }
-    run(Q4_passes, x, f, per_row, w, y, B, N, K);
+    run(Q4_passes, x, f, per_row, w, y, 2, B, N, K);
     free(f);
 }
 
-void q8_matmul_bf16(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t B, int64_t N,
+void q8_matmul_bf16(const uint16_t *x, const uint8_t *w, float *y, int64_t B, int64_t N,
                     int64_t K)
 {
 #if Q4_INT8
-    if (q4_x_bits && B >= QX_MIN_B) { /* x as int16, whichever width q4 takes */
+    if (q4_x_bits && B >= (invariant ? 1 : QX_MIN_B)) { /* x as int16, whichever width q4 takes */
         gemm_int(x, w, y, B, N, K, 16, 1);
         return;
     }
@@ -1026,7 +1058,7 @@ void q8_matmul_bf16(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t B,
     float *xf = malloc((size_t)(B * K) * sizeof(float));
     for (int64_t i = 0; i < B * K; i++)
         xf[i] = bf16_to_float(x[i]);
-    run(Q8_passes, x, xf, K, w, y, B, N, K);
+    run(Q8_passes, x, xf, K, w, y, 4, B, N, K);
     free(xf);
 }
 

@@ -4,8 +4,9 @@
     packed = kernel.pack_q4(q, scale, low)      # once, at load: q [N, K] in 0..15
     y = kernel.q4(x, packed, N)                 # x [B, K] bfloat16 -> y [B, N] bfloat16
     kernel.use_activations("int8")              # with AVX2: x as int16 (default), int8, float32
+    kernel.batch_invariant(False)               # pick paths by row count (faster, see the C file)
     packed = kernel.pack_q8(q, scale)           # q [N, K] in -127..127
-    y = kernel.q8(x, packed, N)
+    y = kernel.q8(x, packed, N)                 # x [B, K] bfloat16 -> y [B, N] float32 (logits)
     packed, error = kernel.quantize_q4(w)       # the same from a float32 weight on the grid
                                                 # (error in grid steps; quantize_q8 likewise)
 
@@ -60,9 +61,10 @@ class QuantMatmul:
             fn = getattr(lib, f"{kind}_matmul_bf16")
             fn.argtypes, fn.restype = [_ptr, _ptr, _ptr, _i64, _i64, _i64], None
             self.fns[kind] = fn
-        lib.q4_tile_min_rows.restype = ctypes.c_int64
-        # q4 runs on AMX tiles from this many rows of x (0: never, on this CPU or build)
-        self.tile_min_rows = lib.q4_tile_min_rows()
+        self._tile_min_rows = lib.q4_tile_min_rows
+        self._tile_min_rows.restype = ctypes.c_int64
+        self._invariant = lib.q4_batch_invariant
+        self._invariant.argtypes, self._invariant.restype = [_i64], _i64
         self._dequantize = lib.q4_dequantize_f32
         self._dequantize.argtypes, self._dequantize.restype = [_ptr, _ptr, _i64, _i64], None
         self.quantizers = {}
@@ -72,6 +74,7 @@ class QuantMatmul:
             self.quantizers[kind] = fn
         self._activation_bits = lib.q4_activation_bits
         self._activation_bits.argtypes, self._activation_bits.restype = [_i64], _i64
+        self.invariant = bool(self._invariant(-1))
         self._set_bits(self._activation_bits(-1))
         self._scratch = torch.empty(0)
 
@@ -86,11 +89,24 @@ class QuantMatmul:
             raise ValueError(f"activations {kind!r}: choose one of {', '.join(ACTIVATIONS)}")
         self._set_bits(self._activation_bits(ACTIVATIONS[kind]))
 
+    def batch_invariant(self, on: bool) -> None:
+        """Whether each row of x is computed alike whatever the number of rows (the default):
+        one path for every row count, so that a token's outputs do not depend on its step's
+        other tokens. Off, paths are picked by row count for speed (AMX tiles from a few rows,
+        integer x from two, torch's float32 matmul for wide inputs without either). For the
+        whole process, as `use_activations`."""
+        self.invariant = bool(self._invariant(int(on)))
+        self._set_bits(self.activation_bits)
+
     def _set_bits(self, bits: int) -> None:
         # q4 quantizes x to integers of this many bits (0: it multiplies x in float32)
         self.activation_bits = bits
-        # without tiles or integers, q4 of this many rows or more goes to torch's float32 matmul
-        self.sgemm_min_rows = 0 if self.tile_min_rows or bits else SGEMM_MIN_ROWS
+        # q4 runs on AMX tiles from this many rows of x (0: never, on this CPU or build)
+        self.tile_min_rows = self._tile_min_rows()
+        # without tiles or integers, q4 of this many rows or more goes to torch's float32
+        # matmul; never where each row must be computed alike
+        fast = not (self.tile_min_rows or bits or self.invariant)
+        self.sgemm_min_rows = SGEMM_MIN_ROWS if fast else 0
 
     @property
     def c_max_rows(self) -> int:
@@ -170,8 +186,9 @@ class QuantMatmul:
         return out
 
     def q8(self, x: torch.Tensor, packed: torch.Tensor, rows: int) -> torch.Tensor:
-        """x [B, K] bfloat16 -> [B, rows] bfloat16, for `packed` from `pack_q8` of [rows, K]."""
-        return self._call("q8", Q8_BYTES, x, packed, rows)
+        """x [B, K] bfloat16 -> [B, rows] float32 (logits are not rounded to bfloat16), for
+        `packed` from `pack_q8` of [rows, K]."""
+        return self._call("q8", Q8_BYTES, x, packed, rows, torch.float32)
 
     def _check(self, kind, block_bytes, x, packed, rows) -> None:
         B, K = x.shape
@@ -186,10 +203,10 @@ class QuantMatmul:
                 f"{rows} rows, shape {tuple(packed.shape)}"
             )
 
-    def _call(self, kind, block_bytes, x, packed, rows) -> torch.Tensor:
+    def _call(self, kind, block_bytes, x, packed, rows, dtype=torch.bfloat16) -> torch.Tensor:
         x = x.contiguous()
         self._check(kind, block_bytes, x, packed, rows)
         B, K = x.shape
-        y = torch.empty(B, rows, dtype=torch.bfloat16)
+        y = torch.empty(B, rows, dtype=dtype)
         self.fns[kind](x.data_ptr(), packed.data_ptr(), y.data_ptr(), B, rows, K)
         return y

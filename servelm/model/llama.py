@@ -118,6 +118,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     cpu_ops: CpuOps | None = None
     head_q8: Q8Weight | None = None  # an exact Q8_0 copy of the head, set by the loader
+    batch_invariant: bool = False  # the head's rows computed alike whatever their number
     # checkpoint name fragment -> (our fused parameter fragment, shard)
     packed_modules = {
         "q_proj": ("qkv_proj", "q"),
@@ -176,10 +177,10 @@ class LlamaForCausalLM(nn.Module):
 
     def prepare_for_inference(self) -> None:
         """Once the weights are loaded: repack matmul weights where the device gains from it."""
-        self.logits_head = LogitsHead(self.head_weight, self.head_q8)
+        self.logits_head = LogitsHead(self.head_weight, self.head_q8, self.batch_invariant)
         if self.lm_head is not None:
             self.lm_head = None  # the head above holds the weight (packed or not)
         pack_linears_for_cpu(self)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.logits_head(hidden).float()
+        return self.logits_head(hidden)  # float32

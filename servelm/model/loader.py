@@ -305,6 +305,7 @@ def build_model(
     model.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
         w.nbytes for w in quantized
     )
+    model.batch_invariant = quant_kernel is not None and quant_kernel.invariant
     model.prepare_for_inference()
     if device.type == "cpu":
         _return_freed_memory()

@@ -77,12 +77,15 @@ def build_metadata(
     decode_mask: bool = True,
     prefill_masks: bool = True,
     sample: list[bool] | None = None,
+    decodes_as_chunks: bool = False,
 ) -> AttentionMetadata:
     """seqs: per request (num_computed_tokens, num_new_tokens, block_ids), in batch order;
     dtype: the model's (attention masks are made in it); decode_mask / prefill_masks: build the
     padded decode batch's mask and the offset causal masks of prefill chunks after cached
     tokens (only SDPA reads them; the C kernels work from lengths); sample: per request,
-    whether the step samples its next token (None: every request does), for `kept_rows`.
+    whether the step samples its next token (None: every request does), for `kept_rows`;
+    decodes_as_chunks: a decode token is a prompt chunk of one (batch invariance: one attention
+    path for a prompt token and a generated one).
 
     Built with numpy on the host (one small array op per request, not one torch op per token),
     then moved to the device once.
@@ -100,7 +103,7 @@ def build_metadata(
         new_pos = np.arange(num_computed, ctx)
         table = np.asarray(used_blocks, dtype=np.int64)
         slot_parts.append(table[new_pos // block_size] * block_size + new_pos % block_size)
-        if num_new == 1 and num_computed > 0:
+        if num_new == 1 and num_computed > 0 and not decodes_as_chunks:
             run = runs[-1] if runs else None
             if run and run[0] + run[2] - run[1] == row:  # the row after the last run's
                 run[2] += 1
@@ -165,12 +168,17 @@ class TorchPagedAttention:
         block_size: int,
         decode_kernel: PagedDecodeKernel | None = None,
         prefill_kernel: PagedPrefillKernel | None = None,
+        invariant: bool = False,
     ) -> None:
         self.kv_caches = kv_caches
         self.scale = scale
         self.block_size = block_size
         self.decode_kernel = decode_kernel
         self.prefill_kernel = prefill_kernel
+        # Batch invariant: decode tokens go through the prefill kernel too, whose arithmetic
+        # for a query depends only on its position and context (tests/kernels), so that a
+        # token's attention is the same as a prompt's token, a generated one or recomputed.
+        self.decodes_as_chunks = invariant and prefill_kernel is not None
         self.meta: AttentionMetadata | None = None
 
     def plan(
@@ -183,7 +191,14 @@ class TorchPagedAttention:
         """This step's metadata (see `build_metadata`), shared by every layer."""
         decode_mask, prefill_masks = self.decode_kernel is None, self.prefill_kernel is None
         self.meta = build_metadata(
-            seqs, self.block_size, device, dtype, decode_mask, prefill_masks, sample
+            seqs,
+            self.block_size,
+            device,
+            dtype,
+            decode_mask,
+            prefill_masks,
+            sample,
+            self.decodes_as_chunks,
         )
 
     @property

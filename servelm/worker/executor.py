@@ -50,6 +50,7 @@ def create_engine_core(
         device=args.device,
         kernels=args.kernels,
         int4_activations=args.int4_activations,
+        batch_invariant=args.batch_invariant,
         block_size=args.block_size,
         max_model_len=max_model_len,
         seed=args.seed,

@@ -68,6 +68,7 @@ class ModelRunner:
         device: str = "auto",
         kernels: str = "auto",
         int4_activations: str = "int16",
+        batch_invariant: bool = True,
         block_size: int = 16,
         max_model_len: int,
         seed: int = 0,
@@ -95,6 +96,8 @@ class ModelRunner:
         self.quant_kernel = QuantMatmul.load() if self.use_c_kernels else None
         if self.quant_kernel is not None:
             self.quant_kernel.use_activations(int4_activations)
+            self.quant_kernel.batch_invariant(batch_invariant)
+        self.batch_invariant = batch_invariant
         t0 = time.perf_counter()
         self.model = build_model(
             model_dir, spec, self.dtype, self.device, max_model_len, quantization, self.quant_kernel
@@ -143,7 +146,7 @@ class ModelRunner:
             decode = PagedDecodeKernel.load(self.dtype, self.spec.head_dim)
             prefill = PagedPrefillKernel.load(self.dtype, self.spec.head_dim, self.block_size)
         self.attn = TorchPagedAttention(
-            caches, self.spec.head_dim**-0.5, self.block_size, decode, prefill
+            caches, self.spec.head_dim**-0.5, self.block_size, decode, prefill, self.batch_invariant
         )
         self.decode_stack = DecodeStack.build(self.model, self.attn)
         self.num_blocks = num_blocks

@@ -113,8 +113,11 @@ def c_kernel_max_rows(bf16_cut: int) -> int:
 
 
 def c_int4_max_rows(kernel: QuantMatmul) -> int:
-    """Rows up to which servelm's C int4 matmul beats bf16 on this CPU (see above)."""
-    return ALL_ROWS if kernel.tile_min_rows else c_kernel_max_rows(C_INT4_VECTOR_MAX_ROWS)
+    """Rows up to which servelm's C int4 matmul serves on this CPU: every row where it is batch
+    invariant (one path for every row count) or has tiles, else where it beats bf16 (above)."""
+    if kernel.invariant or kernel.tile_min_rows:
+        return ALL_ROWS
+    return c_kernel_max_rows(C_INT4_VECTOR_MAX_ROWS)
 
 
 # The logits head reads its Q8_0 copy (servelm's C kernel) up to this many rows. Alone, with
@@ -265,23 +268,53 @@ class Linear(nn.Linear):
         return plain_linear(x, self.weight, self.bias)
 
 
-class LogitsHead:
-    """The output projection, which may share its weight with the token embedding; with an
-    exact Q8_0 copy (`q8`), decode-sized inputs read that, a little over half the bytes."""
+# Without a Q8_0 copy for every row, a batch-invariant head multiplies in chunks of exactly this
+# many rows (the last padded): torch then takes one code path for every call, whatever the
+# number of rows the step samples.
+HEAD_CHUNK_ROWS = 16
 
-    def __init__(self, weight: torch.Tensor, q8: Q8Weight | None = None) -> None:
+
+class LogitsHead:
+    """The output projection, which may share its weight with the token embedding, in float32:
+    logits are not rounded to bfloat16 (two tokens a rounding apart would tie). With an exact
+    Q8_0 copy (`q8`), decode-sized inputs (every input, batch invariant) read that, a little
+    over half the bytes; otherwise the CPU multiplies by a float32 copy of the weight (bfloat16
+    products are exact in float32)."""
+
+    def __init__(
+        self, weight: torch.Tensor, q8: Q8Weight | None = None, invariant: bool = False
+    ) -> None:
+        self.q8, self.invariant = q8, invariant
+        self.q8_max_rows = (
+            ALL_ROWS if q8 is not None and q8.kernel.invariant
+            else c_kernel_max_rows(HEAD_Q8_MAX_ROWS)
+        )
         # Only the form that is used is kept (a tied embedding keeps its own reference).
-        self.packed = _pack(weight) if can_pack(weight) else None
-        self.weight = weight if self.packed is None else None
-        self.q8 = q8
-        self.q8_max_rows = c_kernel_max_rows(HEAD_Q8_MAX_ROWS)
+        if q8 is not None and self.q8_max_rows == ALL_ROWS:
+            self.weight = None
+        elif weight.device.type == "cpu":
+            self.weight = weight.detach().float()
+        else:
+            self.weight = weight
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.q8 is not None and hidden.shape[0] <= self.q8_max_rows:
             return self.q8(hidden)
-        if self.packed is not None:
-            return packed_linear(hidden, self.packed)
-        return F.linear(hidden, self.weight)
+        if not self.invariant or hidden.shape[0] == HEAD_CHUNK_ROWS:
+            return self._float32(hidden)
+        rows = hidden.shape[0]
+        padded = hidden.new_zeros(-(-rows // HEAD_CHUNK_ROWS) * HEAD_CHUNK_ROWS, hidden.shape[1])
+        padded[:rows] = hidden
+        chunks = [self._float32(c) for c in padded.split(HEAD_CHUNK_ROWS)]
+        return torch.cat(chunks)[:rows]
+
+    def _float32(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype == torch.float32:
+            return F.linear(hidden.float(), self.weight)
+        try:  # a GPU's half-precision matmul, accumulated and returned in float32
+            return torch.mm(hidden, self.weight.t(), out_dtype=torch.float32)
+        except (TypeError, RuntimeError, NotImplementedError):
+            return F.linear(hidden.float(), self.weight.float())
 
 
 def pack_linears_for_cpu(model: nn.Module) -> None:
