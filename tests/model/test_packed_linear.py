@@ -44,7 +44,9 @@ def test_packed_linear_is_bitwise_f_linear(rows, bias):
         assert layer.packed is None and torch.equal(layer.weight, weight)
     with torch.inference_mode():
         assert torch.equal(layer(x), unpacked_linear(x, weight, b))
-        assert torch.equal(LogitsHead(weight)(x), F.linear(x, weight))
+        logits = LogitsHead(weight)(x)  # in float32, not rounded to bf16
+        assert logits.dtype == torch.float32
+        assert torch.equal(logits, F.linear(x.float(), weight.float()))
 
 
 def test_float32_is_left_alone():
