@@ -195,35 +195,44 @@ INLINE void chunk_scores(const uint16_t *k_cache, const int64_t *blocks, int64_t
         scores(k, Hkv * D * 2, D, qt, s);
 }
 
-/* One tile of queries of one head: see the header. */
+/* One tile of 16 lanes of KV head h: lane r is pair t0 + r of (query i, head j of the group),
+ * t = i * G + j for the G = Hq / Hkv query heads that share h, so that the heads of a group
+ * read each K and V tile once (a decode token's G heads share one tile). Each lane's arithmetic
+ * depends only on its query, its position and the context, never on the tile's other lanes:
+ * what makes a token's attention the same as a prompt's token or a generated one. */
 static void attend_tile(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
                         const uint16_t *vt, const int64_t *blocks, int64_t block_size, int64_t n,
-                        int64_t ctx, int64_t Hq, int64_t Hkv, int64_t D, int64_t hq, int64_t q0,
+                        int64_t ctx, int64_t Hq, int64_t Hkv, int64_t D, int64_t h, int64_t t0,
                         float scale, uint16_t *out, int64_t out_stride)
 {
-    const int64_t h = hq / (Hq / Hkv), rows = n - q0 < QT ? n - q0 : QT;
-    const int64_t first_pos = ctx - n + q0, last_pos = first_pos + rows - 1;
+    const int64_t G = Hq / Hkv, rows = n * G - t0 < QT ? n * G - t0 : QT;
+    const int64_t first_pos = ctx - n + t0 / G, last_pos = ctx - n + (t0 + rows - 1) / G;
     const int64_t chunks = last_pos / KC + 1, vt_chunk = D * KC;
     __attribute__((aligned(64))) uint16_t qt[256 / 32][16 * 32]; /* Q^T, pairs of dims */
     __attribute__((aligned(64))) float s[2][KC * QT];             /* S^T of two chunks */
     __attribute__((aligned(64))) uint16_t pt[16 * 32];            /* P^T, pairs of keys */
     __attribute__((aligned(64))) float ot[256 * QT];              /* O^T */
+    int32_t q_at[QT], pos_lanes[QT]; /* each lane's q row (in 32-bit words) and position */
+    int64_t out_at[QT];
+    for (int64_t r = 0; r < QT; r++) { /* padding lanes repeat the last real one */
+        const int64_t t = t0 + (r < rows ? r : rows - 1), i = t / G, head = h * G + t % G;
+        q_at[r] = (int32_t)((i * q_stride + head * D) / 2);
+        out_at[r] = i * out_stride + head * D;
+        pos_lanes[r] = (int32_t)(ctx - n + i);
+    }
 
-    /* Q^T as the second operand: row r of slab j holds dims (32j + 2r, +1) of each query,
-     * that is, as 32-bit words, word 16j + r of each query's row, gathered across the rows */
+    /* Q^T as the second operand: row r of slab j holds dims (32j + 2r, +1) of each lane's
+     * query, that is, as 32-bit words, word 16j + r of each lane's row, gathered across them */
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const __mmask16 real = (__mmask16)((1u << rows) - 1);
-    const __m512i row_words = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)(q_stride / 2)));
-    const int *q_words = (const int *)(q + q0 * q_stride + hq * D);
+    const __m512i row_words = _mm512_loadu_si512(q_at);
+    const int *q_words = (const int *)q;
     for (int64_t w = 0; w < D / 2; w++)
         _mm512_store_si512(qt[w / 16] + (w % 16) * 32,
                            _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), real,
                                                        _mm512_add_epi32(row_words,
                                                                         _mm512_set1_epi32(w)),
                                                        q_words, 4));
-    int32_t pos_lanes[QT]; /* padding lanes repeat the last row's position */
-    for (int64_t i = 0; i < QT; i++)
-        pos_lanes[i] = (int32_t)(first_pos + (i < rows ? i : rows - 1));
     const __m512i pos = _mm512_loadu_si512(pos_lanes);
     const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
     const __m512 log2_scale = _mm512_set1_ps(scale * 1.44269504f);
@@ -280,8 +289,8 @@ static void attend_tile(const uint16_t *q, int64_t q_stride, const uint16_t *k_c
     __attribute__((aligned(64))) float inv_l[QT];
     _mm512_store_ps(inv_l, _mm512_div_ps(_mm512_set1_ps(1.f), l));
     const __m512i dim_rows = _mm512_mullo_epi32(lane, _mm512_set1_epi32(QT));
-    for (int64_t i = 0; i < rows; i++) { /* row i of O: column i of O^T */
-        uint16_t *row = out + (q0 + i) * out_stride + hq * D;
+    for (int64_t i = 0; i < rows; i++) { /* lane i's row of O: column i of O^T */
+        uint16_t *row = out + out_at[i];
         for (int64_t d = 0; d < D; d += 16) {
             const __m512i at = _mm512_add_epi32(dim_rows, _mm512_set1_epi32((int)(d * QT + i)));
             const __m512 o = _mm512_i32gather_ps(at, ot, 4);
@@ -363,24 +372,28 @@ INLINE __m256 sees(__m256i past, int64_t t)
     return _mm256_castsi256_ps(_mm256_cmpgt_epi32(past, _mm256_set1_epi32((int)t)));
 }
 
-/* 8 queries of one head (q0 ..; rows of them real) over the widened context: see above. */
+/* 8 lanes of KV head h over its widened context: lane r is pair t0 + r of (query i, head j of
+ * the group), t = i * G + j, as on the tiles above (each lane's arithmetic its own). */
 static void attend_queries(const uint16_t *q, int64_t q_stride, const float *kt, const float *vf,
-                           int64_t n, int64_t ctx, int64_t D, int64_t hq, int64_t q0,
-                           float scale, uint16_t *out, int64_t out_stride)
+                           int64_t n, int64_t ctx, int64_t Hq, int64_t Hkv, int64_t D, int64_t h,
+                           int64_t t0, float scale, uint16_t *out, int64_t out_stride)
 {
-    const int64_t rows = n - q0 < 8 ? n - q0 : 8, first_pos = ctx - n + q0;
-    const int64_t chunks = (first_pos + rows - 1) / 8 + 1;
+    const int64_t G = Hq / Hkv, rows = n * G - t0 < 8 ? n * G - t0 : 8;
+    const int64_t first_pos = ctx - n + t0 / G, last_pos = ctx - n + (t0 + rows - 1) / G;
+    const int64_t chunks = last_pos / 8 + 1;
     float qs[8][256], o[8][256];
     __attribute__((aligned(32))) float pt[8 * KEY_GROUPS][8], alpha[8]; /* P^T [key][query] */
-    int32_t pos_lanes[8]; /* padding queries repeat the last real one */
-    for (int i = 0; i < 8; i++) {
-        const int64_t row = i < rows ? i : rows - 1;
-        const uint16_t *qi = q + (q0 + row) * q_stride + hq * D;
+    int32_t pos_lanes[8]; /* padding lanes repeat the last real one */
+    int64_t out_at[8];
+    for (int r = 0; r < 8; r++) {
+        const int64_t t = t0 + (r < rows ? r : rows - 1), i = t / G, head = h * G + t % G;
+        const uint16_t *qi = q + i * q_stride + head * D;
         for (int64_t d = 0; d < D; d += 8) {
-            _mm256_storeu_ps(qs[i] + d, _mm256_mul_ps(load_bf16_8(qi + d), _mm256_set1_ps(scale)));
-            _mm256_storeu_ps(o[i] + d, _mm256_setzero_ps());
+            _mm256_storeu_ps(qs[r] + d, _mm256_mul_ps(load_bf16_8(qi + d), _mm256_set1_ps(scale)));
+            _mm256_storeu_ps(o[r] + d, _mm256_setzero_ps());
         }
-        pos_lanes[i] = (int32_t)(first_pos + row);
+        pos_lanes[r] = (int32_t)(ctx - n + i);
+        out_at[r] = i * out_stride + head * D;
     }
     const __m256i past = _mm256_add_epi32(_mm256_loadu_si256((const __m256i *)pos_lanes),
                                           _mm256_set1_epi32(1));
@@ -456,7 +469,7 @@ static void attend_queries(const uint16_t *q, int64_t q_stride, const float *kt,
     __attribute__((aligned(32))) float inv_l[8];
     _mm256_store_ps(inv_l, _mm256_div_ps(_mm256_set1_ps(1.f), l));
     for (int64_t i = 0; i < rows; i++) {
-        uint16_t *row = out + (q0 + i) * out_stride + hq * D;
+        uint16_t *row = out + out_at[i];
         for (int64_t d = 0; d < D; d += 8)
             store_bf16_8(row + d, _mm256_mul_ps(_mm256_loadu_ps(o[i] + d), _mm256_set1_ps(inv_l[i])));
     }
@@ -493,7 +506,7 @@ void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_c
                         uint16_t *out, int64_t out_stride, uint16_t *scratch)
 {
 #ifdef HAVE_AMX
-    const int64_t chunks = (ctx + KC - 1) / KC, tiles = (n + QT - 1) / QT;
+    const int64_t chunks = (ctx + KC - 1) / KC, tiles = (n * (Hq / Hkv) + QT - 1) / QT;
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
@@ -508,15 +521,15 @@ void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_c
         _tile_loadconfig(&cfg);
         /* the last query tiles see the most keys: hand them out first */
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < Hq * tiles; item++) {
-            const int64_t tile = tiles - 1 - item / Hq, hq = item % Hq;
+        for (int64_t item = 0; item < Hkv * tiles; item++) {
+            const int64_t tile = tiles - 1 - item / Hkv, h = item % Hkv;
             attend_tile(q, q_stride, k_cache, scratch, blocks, block_size, n, ctx, Hq, Hkv, D,
-                        hq, tile * QT, scale, out, out_stride);
+                        h, tile * QT, scale, out, out_stride);
         }
         _tile_release();
     }
 #elif defined(VECTOR_PREFILL)
-    const int64_t keys = keys_padded(ctx), items = (n + 7) / 8;
+    const int64_t keys = keys_padded(ctx), items = (n * (Hq / Hkv) + 7) / 8;
     float *kt = (float *)scratch, *vf = kt + Hkv * keys * D;
 #pragma omp parallel
     {
@@ -528,10 +541,10 @@ void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_c
         }
         /* the last queries see the most keys: hand them out first */
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < Hq * items; item++) {
-            const int64_t tile = items - 1 - item / Hq, hq = item % Hq, h = hq / (Hq / Hkv);
-            attend_queries(q, q_stride, kt + h * keys * D, vf + h * keys * D, n, ctx, D, hq,
-                           tile * 8, scale, out, out_stride);
+        for (int64_t item = 0; item < Hkv * items; item++) {
+            const int64_t tile = items - 1 - item / Hkv, h = item % Hkv;
+            attend_queries(q, q_stride, kt + h * keys * D, vf + h * keys * D, n, ctx, Hq, Hkv, D,
+                           h, tile * 8, scale, out, out_stride);
         }
     }
 #else
