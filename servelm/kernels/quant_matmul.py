@@ -24,19 +24,13 @@ from pathlib import Path
 import torch
 
 from servelm.kernels.build import load_library
+from servelm.kernels.paths import sgemm_min_rows
 
 SOURCE = Path(__file__).with_name("quant_matmul.c")
 GROUP = 32  # weights along a row that share a scale
 LANES = 16  # rows per block
 Q4_BYTES = LANES * GROUP // 2 + LANES * 2 * 2  # per block and group: quants, scales, lows
 Q8_BYTES = LANES * GROUP + LANES * 2  # quants, scales
-
-# Rows of x from which q4 dequantizes the weight into float32 and multiplies with torch's float32
-# matmul, on a CPU without AMX tiles where x stays in float32 (no AVX2, or activations
-# "float32"). One layer's four matmuls against the C vector path on 2
-# cores of an AVX2-only AMD EPYC (`benchmarks/quant_matmul.py`): 0.86x at 128 rows, 1.14x at
-# 256, 1.38x at 512, 1.22x at 1,108.
-SGEMM_MIN_ROWS = 192
 
 # how q4 may take x on the C kernel's AVX2 path: bits of the integers it is quantized to
 ACTIVATIONS = {"int16": 16, "int8": 8, "float32": 0}
@@ -105,8 +99,7 @@ class QuantMatmul:
         self.tile_min_rows = self._tile_min_rows()
         # without tiles or integers, q4 of this many rows or more goes to torch's float32
         # matmul; never where each row must be computed alike
-        fast = not (self.tile_min_rows or bits or self.invariant)
-        self.sgemm_min_rows = SGEMM_MIN_ROWS if fast else 0
+        self.sgemm_min_rows = sgemm_min_rows(self.tile_min_rows, bits, self.invariant)
 
     @property
     def c_max_rows(self) -> int:

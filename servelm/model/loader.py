@@ -16,16 +16,15 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from servelm.kernels.paths import ALL_ROWS, StepPaths
 from servelm.kernels.quant_matmul import GROUP, LANES, QuantMatmul
 from servelm.model import packed_cache
 from servelm.model.layers.embedding import Embedding
 from servelm.model.layers.linear import (
-    ALL_ROWS,
     INT4_LOSSLESS_STEPS,
     Int4Weight,
     Linear,
     Q8Weight,
-    c_int4_max_rows,
     can_int4,
     int4_linears,
     quantize_linears_int4,
@@ -280,7 +279,7 @@ def build_model(
     # kernel serves at every row leave the projections' plain weights unread (`use_int4` frees
     # them): those are neither allocated nor loaded, which shortens a start (docs/performance.md).
     skip = frozenset()
-    if kept is not None and c_int4_max_rows(quant_kernel) == ALL_ROWS:
+    if kept is not None and StepPaths.of(quant_kernel).int4_max_rows == ALL_ROWS:
         skip = frozenset(f"{name}.weight" for name in linears)
     _allocate_parameters(
         model, dtype, device, torch.float32 if int4 and kept is None else dtype, skip

@@ -3,18 +3,16 @@
     stack = DecodeStack.build(model, attn)    # None unless every piece of a layer is in C
     hidden = stack(input_ids, positions)      # None: this step is not one it takes
 
-It takes steps of at most `max_rows` tokens (the steps whose matmuls read the int4 weights in
-C: all of them on a CPU with AMX tiles, up to 191 on an AVX2-only CPU, whose wider steps
-multiply in float32): decode steps and, where the C prefill attention runs (AMX, or AVX2),
-prompt and mixed steps too, and returns what `model(input_ids, positions, attn)` returns for
+It takes steps of at most `max_rows` tokens (those whose matmuls read the int4 weights in C:
+`StepPaths.stack_max_rows`, every step where it is batch invariant): decode steps and, where
+the C prefill attention runs (AMX, or AVX2), prompt and mixed steps too, and returns what `model(input_ids, positions, attn)` returns for
 them, bit for bit: the C loop calls the very kernels the Python layers call, in the same order,
-and only leaves out the Python between them (a batch-1 step of the default model on this
-project's CPU: 14.2 ms through the Python layers, 5.8 ms in one call; the first step of a
-request of 108 new tokens after 1,000 cached ones: 63-65 ms, 50-57 ms in one call).
-Embedding, rotary lookup, logits and sampling stay in Python. The attention metadata is the
+and only leaves out the Python between them (which cost as much as the kernels at one token
+per request: docs/performance.md). Embedding, rotary lookup, logits and sampling stay in Python. The attention metadata is the
 step's `attn.meta`, planned as usual; the loop attends it part by part (`_Part`): each run of
-consecutive decode rows in one call of the decode kernel, each request's prompt chunk in one
-call of the prefill kernel. The name stays from when it took decode steps only.
+consecutive decode rows in one call of the decode kernel (batch invariant: each decode row
+in a call of the prefill kernel, as a prompt chunk of one), each request's prompt chunk in
+one call of the prefill kernel. The name stays from when it took decode steps only.
 """
 
 from __future__ import annotations
@@ -25,6 +23,7 @@ from pathlib import Path
 import torch
 
 from servelm.kernels.build import load_library
+from servelm.kernels.paths import StepPaths
 
 SOURCE = Path(__file__).parents[1] / "kernels" / "decode_stack.c"
 
@@ -125,7 +124,7 @@ class DecodeStack:
             w.dtype != torch.bfloat16 or not w.is_contiguous() for w in norms
         ):
             return None
-        layers, quant, max_rows = [], None, []
+        layers, quant = [], None
         for layer, (k_cache, v_cache) in zip(model.layers, attn.kv_caches, strict=True):
             mats = [
                 layer.self_attn.qkv_proj,
@@ -136,7 +135,6 @@ class DecodeStack:
             if any(m.int4 is None or m.int4.kernel is None or m.bias is not None for m in mats):
                 return None
             quant = mats[0].int4.kernel
-            max_rows += [m.int4.max_rows for m in mats]
             layers.append(
                 _Layer(
                     layer.input_layernorm.weight.data_ptr(),
@@ -159,8 +157,7 @@ class DecodeStack:
             _address(decode.fn),
             _address(attn.prefill_kernel.fn) if attn.prefill_kernel is not None else None,
         )
-        max_rows.append(quant.c_max_rows)  # wider steps multiply in float32 (QuantMatmul.q4)
-        return cls(fn, model, attn, kernels, layers, min(max_rows))
+        return cls(fn, model, attn, kernels, layers, StepPaths.of(quant).stack_max_rows)
 
     @property
     def takes_prompts(self) -> bool:

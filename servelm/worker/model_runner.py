@@ -20,9 +20,9 @@ from servelm.kernels.build import build_all
 from servelm.kernels.cpu_ops import CpuOps
 from servelm.kernels.paged_decode import PagedDecodeKernel
 from servelm.kernels.paged_prefill import PagedPrefillKernel
+from servelm.kernels.paths import ALL_ROWS, StepPaths
 from servelm.kernels.quant_matmul import QuantMatmul
 from servelm.model.config import ModelSpec
-from servelm.model.layers.linear import ALL_ROWS, c_int4_max_rows
 from servelm.model.loader import build_model
 from servelm.worker.attention import TorchPagedAttention
 from servelm.worker.decode_stack import DecodeStack
@@ -160,10 +160,16 @@ class ModelRunner:
     def wide_step_min_tokens(self) -> int:
         """Steps of at least this many tokens run their int4 matmuls through float32 copies of
         the weights and torch's float32 matmul (`QuantMatmul.sgemm_min_rows`; 0: none do)."""
-        kernel = self.quant_kernel
-        if kernel is None or not self.int4_layers or c_int4_max_rows(kernel) <= kernel.c_max_rows:
-            return 0  # (with oneDNN's bf16 matmul, such steps never reach the C kernel)
-        return kernel.sgemm_min_rows
+        paths = self.paths
+        if not (self.int4_layers and paths.sgemm_min_rows):
+            return 0
+        # (where the int4 weights stop short of it, such steps never reach the C kernel)
+        return paths.sgemm_min_rows if paths.int4_max_rows >= paths.sgemm_min_rows else 0
+
+    @property
+    def paths(self) -> StepPaths:
+        """Which path each part of a step takes here (`kernels/paths.py`)."""
+        return StepPaths.of(self.quant_kernel)
 
     @property
     def step_paths(self) -> dict[str, int]:
@@ -181,9 +187,11 @@ class ModelRunner:
         prefill = self.attn.prefill_kernel if self.attn else None
         attention = f"C {decode.name}" if decode else "torch SDPA over gathered blocks"
         prefill_attention = f"C {prefill.name}" if prefill else "torch SDPA"
+        if self.attn and self.attn.decodes_as_chunks:  # batch invariant: one path for both
+            attention = f"C {prefill.name}, as prompt tokens are"
         layers = "C cpu_ops" if self.model.cpu_ops else "torch ops"
-        summary = f"decode attention: {attention}; prefill attention: {prefill_attention}"
-        summary += f"; norm, rotary, SiLU: {layers}"
+        summary = f"{self.paths.summary()}; decode attention: {attention}"
+        summary += f"; prefill attention: {prefill_attention}; norm, rotary, SiLU: {layers}"
         if self.int4_layers:
             int4 = "C q4_matmul" if self.quant_kernel else "torch _weight_int4pack_mm"
             if self.quant_kernel and self.quant_kernel.tile_min_rows:

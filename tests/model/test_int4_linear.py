@@ -6,10 +6,10 @@ import torch
 import torch.nn.functional as F
 
 from servelm import LLM
+from servelm.kernels.paths import TORCH_INT4_MAX_ROWS as INT4_MAX_ROWS
 from servelm.model.layers.linear import (
     INT4_GROUP,
     INT4_LOSSLESS_STEPS,
-    INT4_MAX_ROWS,
     Int4Weight,
     Linear,
     can_int4,

@@ -6,14 +6,9 @@ import torch
 import torch.nn.functional as F
 
 from servelm import LLM, SamplingParams
+from servelm.kernels.paths import BF16_VIA_F32_MIN_ROWS, cpu_has_bf16_matmul
 from servelm.model.layers import linear as linear_mod
-from servelm.model.layers.linear import (
-    BF16_VIA_F32_MIN_ROWS,
-    Linear,
-    LogitsHead,
-    cpu_has_bf16_matmul,
-    plain_linear,
-)
+from servelm.model.layers.linear import Linear, LogitsHead, plain_linear
 
 BF16_PACKING = cpu_has_bf16_matmul()  # AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT
 

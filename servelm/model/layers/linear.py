@@ -23,28 +23,14 @@ largest; see `QuantMatmul.use_activations`).
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterable
-from functools import cache
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from servelm.kernels.paths import ALL_ROWS, StepPaths, cpu_has_bf16_matmul
 from servelm.kernels.quant_matmul import QuantMatmul
-
-
-@cache
-def cpu_has_bf16_matmul() -> bool:
-    """Whether oneDNN multiplies bfloat16 on this CPU: it needs AVX-512 (BW, VL, DQ) or
-    AVX-NE-CONVERT. Elsewhere (an AVX2-only AMD EPYC, say) torch's bf16 matmul is a slow
-    fallback: 15-18 GFLOPS on 2 cores of an EPYC, against 100-130 in float32."""
-    if not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):  # a torch without the query: assume it does
-        return True
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -60,21 +46,14 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-# Without oneDNN's bf16 matmul, torch's bf16 matmul costs about the same again for every row;
-# from this many rows a float32 copy of the weight, made for the call, is faster. One layer's
-# four matmuls on 2 cores of an AVX2-only EPYC, bf16 against float32 with the weight converted
-# each call: 1.9 vs 2.8 ms at 4 rows, 3.8 vs 2.7 at 8, 14.8 vs 4.7 at 32 (a 256-token prompt
-# of the default model without int4: 3.8 s -> 0.9 s).
-BF16_VIA_F32_MIN_ROWS = 8
-
-
 def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """`F.linear`, in float32 where that is faster for bfloat16 on this CPU (see above)."""
+    """`F.linear`, in float32 where that is faster for bfloat16 on this CPU (`kernels/paths.py`)."""
+    from_rows = StepPaths.of(None).bf16_via_f32_min_rows
     if (
         weight.dtype == torch.bfloat16
-        and x.numel() >= BF16_VIA_F32_MIN_ROWS * x.shape[-1]
+        and from_rows
+        and x.numel() >= from_rows * x.shape[-1]
         and x.device.type == "cpu"
-        and not cpu_has_bf16_matmul()
     ):
         b = None if bias is None else bias.float()
         return F.linear(x.float(), weight.float(), b).to(x.dtype)
@@ -83,47 +62,6 @@ def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 # torch's CPU int4 kernel: groups of 32 inputs share a scale and an offset.
 INT4_GROUP = 32
-# Inputs of at most this many rows (tokens) use the int4 weight; larger ones the bf16 weight.
-# All 120 matmuls of the default model's layers, bf16 packed vs torch's int4 kernel, measured
-# on this project's 2-core CPU: 17.4 vs 4.4 ms at 1 row, 16.4 vs 7.5 at 4, 16.6 vs 14.0 at 8,
-# 15.6 vs 19.3 at 12, 16.9 vs 23.8 at 16. An int4 kernel unpacks every weight for each block of
-# rows, so it wins where reading the weight is the whole cost and loses where arithmetic is.
-INT4_MAX_ROWS = 8
-# The same cut for servelm's C kernel on its AVX-512 vector path, about 2x torch's at 1 row.
-# Whole decode steps of the default model (the decode stack, which takes as many rows as the
-# int4 matmuls do) against the Python layers with bf16 matmuls, 256-token contexts, in ms: 30 vs
-# 41 at 12 requests, 37 vs 42 at 16, 62 vs 54 at 24, 76 vs 56 at 32.
-C_INT4_VECTOR_MAX_ROWS = 16
-# With AMX tiles the C kernel unpacks the 4-bit weight into bfloat16 tiles, once per call, and
-# serves every input: in the engine, first steps of 64 to 1,024 new tokens took 20-40 % less than
-# with oneDNN's bf16 matmuls (the decode steps keep the 4-bit weights in cache; the bf16 copy is
-# not), and 2,048 about the same. Such a layer keeps no bf16 copy at all.
-ALL_ROWS = sys.maxsize
-# Without oneDNN's bf16 matmul (an AVX2-only CPU), the C kernel's AVX2 path serves every input
-# too: one layer's four matmuls, weights from memory, took 0.24 ms at 1 row, 1.4-1.5 ms at 16
-# and 2.9 ms at 32 on 2 cores of an AMD EPYC, against 2.0, 3.6 and 4.7 ms for torch's float32
-# matmul on a float32 copy (and bf16's fallback is slower still); with x in int16, as it is by
-# default there, faster again (`quant_matmul.c`).
-
-
-def c_kernel_max_rows(bf16_cut: int) -> int:
-    """Rows up to which a C vector matmul serves: `bf16_cut` where oneDNN multiplies bf16
-    faster from there, every row where it has no bf16 matmul (see above)."""
-    return bf16_cut if cpu_has_bf16_matmul() else ALL_ROWS
-
-
-def c_int4_max_rows(kernel: QuantMatmul) -> int:
-    """Rows up to which servelm's C int4 matmul serves on this CPU: every row where it is batch
-    invariant (one path for every row count) or has tiles, else where it beats bf16 (above)."""
-    if kernel.invariant or kernel.tile_min_rows:
-        return ALL_ROWS
-    return c_kernel_max_rows(C_INT4_VECTOR_MAX_ROWS)
-
-
-# The logits head reads its Q8_0 copy (servelm's C kernel) up to this many rows. Alone, with
-# the weights in cache: 0.69 vs 1.56 ms (oneDNN bf16) at 1 row, 1.89 vs 1.69 ms at 8. Where
-# oneDNN has no bf16 matmul, at every row.
-HEAD_Q8_MAX_ROWS = 8
 # A weight whose values all lie on their group's 4-bit grid (up to float rounding) loses
 # nothing in int4; the distance is measured in grid steps (RTN quantization's worst is 0.5).
 INT4_LOSSLESS_STEPS = 1e-3
@@ -180,7 +118,8 @@ class Int4Weight:
         step = (groups.amax(-1, keepdim=True) - low) / 15
         q, self.error = _on_grid(groups, low, step)
         q = q.clamp_(0, 15).view(rows, cols)
-        self.rows, self.kernel, self.max_rows = rows, None, INT4_MAX_ROWS
+        self.rows, self.kernel = rows, None
+        self.max_rows = StepPaths.of(None).int4_max_rows
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
         # torch's form: w = (q - 8) * scale + zero, as [groups, rows, (scale, zero)]
         scale_zero = torch.cat([step, low + 8 * step], dim=-1)
@@ -200,7 +139,8 @@ class Int4Weight:
 
     def _keep(self, packed: torch.Tensor, rows: int, kernel: QuantMatmul) -> None:
         """Serve from `packed`, the C kernel's layout of a [rows, K] weight."""
-        self.rows, self.kernel, self.max_rows = rows, kernel, c_int4_max_rows(kernel)
+        self.rows, self.kernel = rows, kernel
+        self.max_rows = StepPaths.of(kernel).int4_max_rows
         self.packed, self.nbytes = packed, packed.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -285,10 +225,7 @@ class LogitsHead:
         self, weight: torch.Tensor, q8: Q8Weight | None = None, invariant: bool = False
     ) -> None:
         self.q8, self.invariant = q8, invariant
-        self.q8_max_rows = (
-            ALL_ROWS if q8 is not None and q8.kernel.invariant
-            else c_kernel_max_rows(HEAD_Q8_MAX_ROWS)
-        )
+        self.q8_max_rows = StepPaths.of(q8.kernel).head_q8_max_rows if q8 is not None else 0
         # Only the form that is used is kept (a tied embedding keeps its own reference).
         if q8 is not None and self.q8_max_rows == ALL_ROWS:
             self.weight = None
