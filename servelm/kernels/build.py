@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sysconfig
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
@@ -45,9 +46,21 @@ def compiler() -> list[str] | None:
     return None
 
 
-@cache
+_compiler_lock = threading.Lock()
+
+
 def _compiler_with_version() -> tuple[list[str], str] | None:
-    """The compiler and what `--version` says, asked once per process for every library."""
+    """The compiler and what `--version` says, chosen once per process for every library.
+    Under a lock: `build_all` asks from several threads at once, and `sysconfig` fills its
+    variables lazily and without a lock, so a thread could read no CC while another filled
+    them in, take `cc` where the others took `gcc` (one binary, another name) and build under
+    another cache key: the engine then found one compiler's libraries and built them again."""
+    with _compiler_lock:
+        return _chosen_compiler()
+
+
+@cache
+def _chosen_compiler() -> tuple[list[str], str] | None:
     cc = compiler()
     if cc is None:
         return None
