@@ -4,7 +4,8 @@ The library is built with `-march=native` for the CPU it runs on, so the cache k
 CPU's feature flags as well as the source, the compiler and its flags: a cache folder shared
 between machines never hands one of them code for another's instruction set. OpenMP comes from
 the libgomp torch has already loaded (same soname), so the kernel and torch share one thread
-pool and `torch.set_num_threads` governs both.
+pool and `torch.set_num_threads` governs both. `variants.py` builds the paths of other CPUs
+(flags taking features away from -march=native), for the tests and $SERVELM_KERNEL_VARIANT.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from functools import cache
 from pathlib import Path
 
 import platformdirs
+
+from servelm.kernels import variants
 
 logger = logging.getLogger(__name__)
 
@@ -132,16 +135,25 @@ def build_all() -> list[Path]:
     """Every kernel servelm ships, built at once (one compiler per source, side by side): the
     engine calls this before loading any of them, so a first start on a new machine waits for
     the slowest source, not for their sum (measured here with the four sources: 2.6 s, against
-    0.3 + 0.04 + 1.3 + 2.4 s compiled one by one)."""
+    0.3 + 0.04 + 1.3 + 2.4 s compiled one by one). The builds `load_library` then loads."""
+    flags = variants.selected()
+    if flags:
+        logger.info("C kernels: %s=%s", variants.ENV, os.environ[variants.ENV])
     with ThreadPoolExecutor(max_workers=len(SOURCES)) as pool:
-        return [path for path in pool.map(build, SOURCES) if path is not None]
+        built = pool.map(lambda source: build(source, flags), SOURCES)
+        return [path for path in built if path is not None]
+
+
+def load_library(source: Path, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The compiled library for `source` (see `build`), loaded; None (with a warning) when
+    it cannot be built or loaded. `extra_flags` follow the usual ones and those of
+    $SERVELM_KERNEL_VARIANT (tests pass a variant's, `variants.flags`, to build another CPU's
+    path of a kernel here)."""
+    return _load(source, (*variants.selected(), *extra_flags))
 
 
 @cache
-def load_library(source: Path, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
-    """The compiled library for `source` (see `build`), loaded; None (with a warning) when
-    it cannot be built or loaded. `extra_flags` follow the usual ones (tests use them to build
-    a kernel's portable C path on a CPU that would take its vector one)."""
+def _load(source: Path, extra_flags: tuple[str, ...]) -> ctypes.CDLL | None:
     target = build(source, extra_flags)
     if target is None:
         return None

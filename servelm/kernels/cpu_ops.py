@@ -50,8 +50,10 @@ class CpuOps:
         )
 
     @classmethod
-    def load(cls) -> CpuOps | None:
-        lib = load_library(SOURCE)
+    def load(cls, extra_flags: tuple[str, ...] = ()) -> CpuOps | None:
+        """None where there is no C compiler. `extra_flags`: for the compiler (tests build
+        other CPUs' paths this way: `variants.py`)."""
+        lib = load_library(SOURCE, extra_flags)
         return None if lib is None else cls(lib)
 
     def add_rms_norm(

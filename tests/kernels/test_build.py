@@ -1,5 +1,5 @@
-"""Building the C kernels: the cache, and one compiler choice for every build of a process and
-for every process."""
+"""Building the C kernels: the cache, the variants (`servelm.kernels.variants`), and one compiler
+choice for every build of a process and for every process."""
 
 from __future__ import annotations
 
@@ -13,12 +13,58 @@ import time
 
 import pytest
 
-from servelm.kernels import build
+from servelm.kernels import build, variants
 from servelm.kernels.build import compiler, load_library
 from tests.tiny_model import build_tiny_model
 
 needs_compiler = pytest.mark.skipif(compiler() is None, reason="no C compiler on this machine")
 SOURCES = ["cpu_ops", "decode_stack", "paged_decode", "paged_prefill", "quant_matmul"]
+
+
+@needs_compiler
+@pytest.mark.parametrize("v", variants.VARIANTS, ids=lambda v: v.name)
+def test_each_variants_flags_take_its_features_away(v):
+    # checked by the compiler's own feature macros, which the C files' #if chains read: on any
+    # x86 host, since taking a feature away needs no CPU that has it
+    got = variants.macros(variants.flags(v))
+    assert not [m for m in got if m.startswith(v.absent)]
+    if variants.unavailable(v) is None:
+        assert set(v.macros) <= got
+
+
+@needs_compiler
+def test_the_variants_this_host_runs_are_distinct_builds_and_one_is_native():
+    runs = variants.available()
+    assert runs, "not even the plain C build"
+    features = [variants.macros(variants.flags(v)) for v in runs]
+    for more, fewer in zip(features, features[1:], strict=False):
+        assert fewer < more  # each variant a strict subset of the one before: its own code
+    native = variants.native()
+    assert native is not None and variants.flags(native) == ()  # the engine's build is one
+    # a variant that lacks the features of the CPU it names is not offered
+    for v in variants.VARIANTS:
+        if not set(v.cpu) <= variants.cpu_flags():
+            assert v not in runs
+
+
+@needs_compiler
+def test_a_variant_is_its_own_build_in_the_cache(tmp_path, monkeypatch):
+    # The cache key holds the flags: two variants of one source are two libraries, each its own.
+    monkeypatch.setattr(build, "cache_dir", lambda: tmp_path / "cache")
+    source = tmp_path / "probe.c"
+    source.write_text("int probe(void) {\n#ifdef __AVX2__\nreturn 1;\n#endif\nreturn 0; }\n")
+    runs = variants.available()
+    first, last = runs[0], runs[-1]
+    has_avx2 = "__AVX2__" in variants.macros(variants.flags(first))
+    assert load_library(source, variants.flags(first)).probe() == has_avx2
+    assert load_library(source, variants.flags(last)).probe() == 0  # plain C
+    assert len(list((tmp_path / "cache").glob("probe-*.so"))) == (2 if len(runs) > 1 else 1)
+    # $SERVELM_KERNEL_VARIANT: the same build, chosen for the whole process
+    monkeypatch.setenv(variants.ENV, last.name)
+    assert load_library(source).probe() == 0
+    monkeypatch.setenv(variants.ENV, "avx3")
+    with pytest.raises(ValueError, match="choose one of"):
+        load_library(source)
 
 
 @needs_compiler
@@ -39,10 +85,10 @@ def test_a_changed_header_is_a_new_build(tmp_path, monkeypatch):
     source.write_text('#include "probe.h"\nint probe(void) { return VALUE; }\n')
     for value in (1, 2):
         header.write_text(f"#define VALUE {value}\n")
-        load_library.cache_clear()
+        build._load.cache_clear()
         assert load_library(source).probe() == value
     assert len(list((tmp_path / "cache").glob("probe-*.so"))) == 2
-    load_library.cache_clear()
+    build._load.cache_clear()
 
 
 @needs_compiler
@@ -90,6 +136,7 @@ def test_build_all_then_the_engine_load_the_same_files(tmp_path):
     # `make serve` on a fresh clone: `python -m servelm.kernels.build`, then the engine, in
     # another process, must find every library built and compile nothing.
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    env.pop(variants.ENV, None)
     cache = tmp_path / "xdg" / "servelm" / "kernels"
     first = subprocess.run(
         [sys.executable, "-m", "servelm.kernels.build"], env=env, capture_output=True, text=True

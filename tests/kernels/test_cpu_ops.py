@@ -2,7 +2,8 @@
 
 bfloat16, the dtype they serve in: bit for bit, but for a float32 sum (norm) or e^x (SiLU)
 computed in another order, which now and then rounds a result the other way. float32: to a few
-ulps, since the compiler may fuse a multiply and an add that torch rounds separately.
+ulps, since the compiler may fuse a multiply and an add that torch rounds separately. Each test
+runs on every build this host can run (AVX-512 BF16, AVX2, plain C: tests/kernels/variants.py).
 """
 
 from __future__ import annotations
@@ -15,15 +16,16 @@ from servelm.kernels.build import compiler
 from servelm.kernels.cpu_ops import CpuOps
 from servelm.model.layers.norm import RMSNorm
 from servelm.model.layers.rotary import RotaryEmbedding, apply_rotary
+from tests.kernels.variants import flags
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no C compiler on this machine")
 DTYPES = [torch.bfloat16, torch.float32]
 
 
 @pytest.fixture(scope="module")
-def ops() -> CpuOps:
-    loaded = CpuOps.load()
-    assert loaded is not None
+def ops(variant) -> CpuOps:
+    loaded = CpuOps.load(flags(variant))
+    assert loaded is not None, f"cpu_ops.c does not build as {variant}"
     return loaded
 
 

@@ -1,8 +1,7 @@
-"""The C decode-attention kernel against the float64 reference and torch's SDPA path."""
+"""The C decode-attention kernel against the float64 reference and torch's SDPA path, in every
+build this host can run (the AVX2 path and the generic loops: tests/kernels/variants.py)."""
 
 from __future__ import annotations
-
-import platform
 
 import numpy as np
 import pytest
@@ -11,7 +10,7 @@ import torch
 from servelm.kernels.build import compiler
 from servelm.kernels.paged_decode import PagedDecodeKernel
 from servelm.worker.attention import TorchPagedAttention, build_metadata
-from tests.kernels.amx import avx2_only
+from tests.kernels.variants import DECODE_VECTOR, flags, native, params
 
 BLOCK = 16
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # bf16: the output's own rounding
@@ -51,12 +50,12 @@ def reference(q, k_cache, v_cache, tables, lens, scale):
 @needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("d,hq,hkv", [(16, 4, 2), (64, 9, 3), (128, 8, 8)])
-def test_decode_matches_reference_and_sdpa(dtype, d, hq, hkv):
+def test_decode_matches_reference_and_sdpa(variant, dtype, d, hq, hkv):
     # Lengths cover one token, part of a block, whole blocks and blocks plus a remainder.
     lens = [1, 3, 16, 17, 64, 255]
     num_blocks = 64
     tables = scattered_tables(lens, num_blocks)
-    kernel = PagedDecodeKernel.load(dtype, d)
+    kernel = PagedDecodeKernel.load(dtype, d, flags(variant))
     assert kernel is not None
     scale = d**-0.5
     g = torch.Generator().manual_seed(1)
@@ -82,7 +81,7 @@ def test_decode_matches_reference_and_sdpa(dtype, d, hq, hkv):
 
 
 @needs_compiler
-def test_decode_rows_of_a_mixed_step_match_sdpa():
+def test_decode_rows_of_a_mixed_step_match_sdpa(variant):
     # One prefill chunk (on top of cached tokens) between two decode tokens.
     dtype, d, hq, hkv = torch.float32, 64, 9, 3
     seqs = [(40, 1, [3, 7, 9]), (20, 12, [1, 5]), (99, 1, [0, 2, 4, 6, 8, 10, 11])]
@@ -90,7 +89,7 @@ def test_decode_rows_of_a_mixed_step_match_sdpa():
     qkv = torch.randn(14, hq + 2 * hkv, d, generator=g)
     q, k, v = qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]
     outs = []
-    for decode_kernel in (PagedDecodeKernel.load(dtype, d), None):
+    for decode_kernel in (PagedDecodeKernel.load(dtype, d, flags(variant)), None):
         attn = TorchPagedAttention(make_cache(12, hkv, d, dtype), 0.125, BLOCK, decode_kernel)
         attn.meta = build_metadata(seqs, BLOCK, torch.device("cpu"), dtype)
         assert not attn.meta.all_decode
@@ -99,23 +98,27 @@ def test_decode_rows_of_a_mixed_step_match_sdpa():
 
 
 @needs_compiler
-def test_the_vector_path_is_there_on_cpus_with_avx2_and_no_avx512():
+def test_the_vector_path_is_in_the_builds_for_avx2_without_avx512(variant):
     # A build that lost it would send every decode step back to the generic loops unnoticed.
-    kernel = PagedDecodeKernel.load(torch.bfloat16, 64)
-    assert kernel.name.endswith("(AVX2)") == avx2_only()
-    assert not PagedDecodeKernel.load(torch.float32, 64).name.endswith("(AVX2)")
-    assert not PagedDecodeKernel.load(torch.bfloat16, 16).name.endswith("(AVX2)")  # D % 32
-    if platform.machine() in ("x86_64", "AMD64"):
-        plain = PagedDecodeKernel.load(torch.bfloat16, 64, ("-mno-avx2",))
-        assert plain.name == "paged_decode_bf16_d64"
+    kernel = PagedDecodeKernel.load(torch.bfloat16, 64, flags(variant))
+    assert kernel.name.endswith("(AVX2)") == (variant in DECODE_VECTOR)
+    assert not PagedDecodeKernel.load(torch.float32, 64, flags(variant)).name.endswith("(AVX2)")
+    d16 = PagedDecodeKernel.load(torch.bfloat16, 16, flags(variant))
+    assert not d16.name.endswith("(AVX2)")  # D % 32
 
 
 @needs_compiler
-@pytest.mark.skipif(not avx2_only(), reason="the vector path is for CPUs with AVX2, no AVX-512")
+def test_the_engines_build_takes_this_cpus_path():
+    kernel = PagedDecodeKernel.load(torch.bfloat16, 64)
+    assert kernel.name.endswith("(AVX2)") == (native() in DECODE_VECTOR)
+
+
+@needs_compiler
+@pytest.mark.parametrize("variant", params(DECODE_VECTOR), indirect=True)
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 8, 9])  # 9: more than the path takes
 @pytest.mark.parametrize("d,hkv", [(64, 3), (128, 2), (32, 1)])
 @pytest.mark.parametrize("batch", [1, 5])  # one sequence: its heads split between threads
-def test_the_vector_path_matches_the_reference_and_the_generic_loops(group, d, hkv, batch):
+def test_the_vector_path_matches_the_reference_and_the_generic_loops(variant, group, d, hkv, batch):
     # Lengths: one token, short and partial groups of 8 keys, a whole block, many blocks.
     lens = [1, 7, 9, 16, 300][:batch] if batch > 1 else [137]
     hq, num_blocks, scale = group * hkv, 40, d**-0.5
@@ -128,8 +131,8 @@ def test_the_vector_path_matches_the_reference_and_the_generic_loops(group, d, h
         block_tables[b, : len(table)] = torch.tensor(table)
     context = torch.tensor(lens, dtype=torch.long)
     args = (q, None, None, k_cache, v_cache, None, block_tables, BLOCK, context, max(lens), scale)
-    vector = PagedDecodeKernel.load(torch.bfloat16, d)
-    generic = PagedDecodeKernel.load(torch.bfloat16, d, ("-mno-avx2",))
+    vector = PagedDecodeKernel.load(torch.bfloat16, d, flags(variant))
+    generic = PagedDecodeKernel.load(torch.bfloat16, d, flags("c"))
     out, plain = vector(*args), generic(*args)
     want = reference(q, k_cache, v_cache, tables, lens, scale)
     torch.testing.assert_close(out.double(), want, atol=1e-2, rtol=1e-2)

@@ -1,22 +1,18 @@
 """The prefill-attention kernel (AMX tiles, or AVX2 vectors on CPUs without AVX-512) against a
-float64 reference and torch's SDPA path."""
+float64 reference and torch's SDPA path: each path in its build (tests/kernels/variants.py)."""
 
 from __future__ import annotations
-
-import platform
 
 import pytest
 import torch
 
 from servelm.kernels.paged_prefill import PagedPrefillKernel
 from servelm.worker.attention import TorchPagedAttention
-from tests.kernels.amx import amx_expected, avx2_only
 from tests.kernels.test_paged_decode import scattered_tables
+from tests.kernels.variants import PREFILL, flags, native, params
 
-needs_kernel = pytest.mark.skipif(
-    PagedPrefillKernel.load(torch.bfloat16, 64, 16) is None,
-    reason="no C compiler, or a CPU with neither AMX tiles nor AVX2 without AVX-512",
-)
+# each test runs in the builds that have the kernel (amx and avx2; the others have none)
+with_the_kernel = pytest.mark.parametrize("variant", params(PREFILL), indirect=True)
 # the bf16 output's own rounding (~1e-2 at |x| ~ 2) plus, on tiles, P rounded to bf16
 TOLERANCE = 1.6e-2
 
@@ -39,15 +35,15 @@ def run_kernel(kernel, q, caches, table, block, ctx, scale):
     return kernel(q, caches[0], caches[1], blocks, block, ctx, scale, out)
 
 
-@needs_kernel
+@with_the_kernel
 @pytest.mark.parametrize(
     "d,hq,hkv,block", [(64, 9, 3, 16), (128, 8, 2, 16), (32, 6, 2, 32), (64, 4, 4, 32)]
 )
-def test_prefill_matches_reference(d, hq, hkv, block):
+def test_prefill_matches_reference(variant, d, hq, hkv, block):
     # n == ctx: a fresh prompt; n < ctx: a chunk after cached tokens (a prefix-cache hit or a
     # later chunk). Sizes cover one token, part of a 16-query tile, whole 32-key chunks and the
     # rests of both, a context ending in the first half of its last chunk, and a long one.
-    kernel = PagedPrefillKernel.load(torch.bfloat16, d, block)
+    kernel = PagedPrefillKernel.load(torch.bfloat16, d, block, flags(variant))
     g = torch.Generator().manual_seed(d + hq)
     num_blocks = 160
     caches = [torch.randn(num_blocks * block, hkv, d, generator=g).bfloat16() for _ in range(2)]
@@ -65,12 +61,12 @@ def test_prefill_matches_reference(d, hq, hkv, block):
         assert err < TOLERANCE, (n, ctx, err)
 
 
-@needs_kernel
-def test_slots_past_the_context_are_never_read():
+@with_the_kernel
+def test_slots_past_the_context_are_never_read(variant):
     # The last block's slots past the context hold poison (a reused block's old rows, here
     # NaN): keys there are masked, values there packed as zeros, so the output stays finite.
     d, hq, hkv, block, ctx = 64, 9, 3, 16, 37  # 37: the last chunk's second half is past it
-    kernel = PagedPrefillKernel.load(torch.bfloat16, d, block)
+    kernel = PagedPrefillKernel.load(torch.bfloat16, d, block, flags(variant))
     g = torch.Generator().manual_seed(1)
     caches = [torch.randn(8 * block, hkv, d, generator=g).bfloat16() for _ in range(2)]
     table = [5, 2, 7]
@@ -83,12 +79,12 @@ def test_slots_past_the_context_are_never_read():
     assert (got.double() - want).abs().max().item() < TOLERANCE
 
 
-@needs_kernel
-def test_attention_layer_with_and_without_the_kernel_agree():
+@with_the_kernel
+def test_attention_layer_with_and_without_the_kernel_agree(variant):
     # One step mixing a decode, a chunk after 50 cached tokens and a fresh 21-token prompt,
     # through TorchPagedAttention with the kernel and with SDPA + masks: the same outputs.
     d, hq, hkv, block = 64, 9, 3, 16
-    kernel = PagedPrefillKernel.load(torch.bfloat16, d, block)
+    kernel = PagedPrefillKernel.load(torch.bfloat16, d, block, flags(variant))
     g = torch.Generator().manual_seed(2)
     seqs = [(30, 1, [3, 4]), (50, 19, [0, 1, 2, 9, 10]), (0, 21, [5, 6])]
     t = sum(new for _, new, _ in seqs)
@@ -113,9 +109,9 @@ def test_load_declines_what_it_cannot_run():
     assert PagedPrefillKernel.load(torch.bfloat16, 64, 8) is None  # half a key tile per block
 
 
-@needs_kernel
-def test_bad_shapes_are_refused():
-    kernel = PagedPrefillKernel.load(torch.bfloat16, 64, 16)
+@with_the_kernel
+def test_bad_shapes_are_refused(variant):
+    kernel = PagedPrefillKernel.load(torch.bfloat16, 64, 16, flags(variant))
     cache = torch.zeros(64, 3, 64, dtype=torch.bfloat16)
     blocks = torch.tensor([0, 1], dtype=torch.int64)
     q = torch.zeros(5, 9, 64, dtype=torch.bfloat16)
@@ -132,18 +128,16 @@ def test_bad_shapes_are_refused():
             kernel(*bad)
 
 
-def test_the_kernel_is_there_wherever_the_cpu_has_amx_or_only_avx2():
-    # The other tests skip without the kernel; this one fails if a machine that should have it
-    # lost it (a build that broke would otherwise send every prefill back to SDPA without a word).
-    has_amx = amx_expected()
+def test_each_build_has_its_path_or_none(variant):
+    # The other tests run where a build has the kernel; this one fails if a build that should
+    # have it lost it (that would send every prefill back to SDPA without a word), or if one
+    # that has no path for it claims one.
+    kernel = PagedPrefillKernel.load(torch.bfloat16, 64, 16, flags(variant))
+    path = PREFILL.get(variant)
+    assert (kernel.name if kernel else None) == (f"paged_prefill_bf16 ({path})" if path else None)
+
+
+def test_the_engines_build_takes_this_cpus_path():
     kernel = PagedPrefillKernel.load(torch.bfloat16, 64, 16)
-    assert (kernel.name if kernel else None) == (
-        "paged_prefill_bf16 (AMX)"
-        if has_amx
-        else "paged_prefill_bf16 (AVX2)"
-        if avx2_only()
-        else None
-    )
-    if platform.machine() in ("x86_64", "AMD64"):  # builds for neither path decline
-        plain = ("-mno-amx-tile", "-mno-avx2")
-        assert PagedPrefillKernel.load(torch.bfloat16, 64, 16, plain) is None
+    path = PREFILL.get(native())
+    assert (kernel.name if kernel else None) == (f"paged_prefill_bf16 ({path})" if path else None)

@@ -1,56 +1,58 @@
 """The C quantized matmuls give x W^T for 4-bit (Q4_1) and 8-bit (Q8_0) weights: against a
-float64 reference (each result is the exact sum rounded once to bfloat16, up to float32's error
-in the sum), on the vector path this CPU takes and on the portable C path, and as the
-`Int4Weight` / `Q8Weight` the model uses. On AMX tiles, q4 multiplies by the bfloat16 weight the
-loader makes from the same file (each weight rounded once from float32), which the reference
-then uses."""
+float64 reference (each result is the exact sum rounded once to bfloat16, or for q8, the logits,
+kept in float32, up to float32's error in the sum), batch invariant (the default) and by row
+count (`--no-batch-invariant`), in every build this host can run (AMX tiles, AVX-512 with and without BF16, AVX2,
+plain C: tests/kernels/variants.py), and as the `Int4Weight` / `Q8Weight` the model uses. On AMX
+tiles, q4 multiplies by the bfloat16 weight the loader makes from the same file (each weight
+rounded once from float32), which the reference then uses."""
 
 from __future__ import annotations
-
-import platform
 
 import pytest
 import torch
 
 from servelm.kernels.build import compiler
-from servelm.kernels.quant_matmul import ACTIVATIONS, QuantMatmul
-from servelm.model.layers.linear import (
+from servelm.kernels.paths import (
     ALL_ROWS,
     C_INT4_VECTOR_MAX_ROWS,
     HEAD_Q8_MAX_ROWS,
-    INT4_MAX_ROWS,
-    Int4Weight,
-    Linear,
-    LogitsHead,
-    Q8Weight,
-    _on_grid,
+    TORCH_INT4_MAX_ROWS,
     cpu_has_bf16_matmul,
 )
-from tests.kernels.amx import amx_expected
+from servelm.kernels.quant_matmul import ACTIVATIONS, QuantMatmul
+from servelm.model.layers.linear import Int4Weight, Linear, LogitsHead, Q8Weight, _on_grid
+from tests.kernels.variants import INTEGERS, TILES, flags, native, params
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no C compiler on this machine")
 
 
 @pytest.fixture(scope="module")
-def kernel() -> QuantMatmul:
-    loaded = QuantMatmul.load()
+def kernel(variant) -> QuantMatmul:
+    """The kernel as built for `variant`: each test that takes it runs on every build."""
+    loaded = QuantMatmul.load(extra_flags=flags(variant))
+    assert loaded is not None, f"quant_matmul.c does not build as {variant}"
+    return loaded
+
+
+@pytest.fixture(scope="module")
+def plain_c() -> QuantMatmul:
+    """The plain C build, the one every other build is compared with."""
+    loaded = QuantMatmul.load(extra_flags=flags("c"))
     assert loaded is not None
     return loaded
 
 
-X86 = platform.machine() in ("x86_64", "AMD64")
-# The builds a CPU other than this one would get: without AVX-512, the file's plain C paths
-# (on a CPU that is not x86, what the usual build compiles); AVX-512 without its BF16
-# instructions (Skylake-X, Ice Lake), the plain C q4 path and the AVX-512 q8 path; AVX-512 BF16
-# without AMX (Cooper Lake, Zen 4), the vector q4 path at every batch.
-OTHER_BUILDS = [("-mno-avx512f",), ("-mno-avx512bf16",), ("-mno-amx-tile",)] if X86 else [()]
+# the tests of x taken in integers, in the builds that have that path
+in_integers = pytest.mark.parametrize("variant", params(INTEGERS), indirect=True)
 
 
-@pytest.fixture(scope="module", params=OTHER_BUILDS, ids=lambda flags: " ".join(flags) or "default")
-def portable(request) -> QuantMatmul:
-    loaded = QuantMatmul.load(extra_flags=request.param)
-    assert loaded is not None, f"quant_matmul.c does not build with {request.param}"
-    return loaded
+@pytest.fixture
+def by_row_count(kernel):
+    """The kernel picking its paths by row count (not batch invariant) for one test: a setting
+    of the whole process, put back after."""
+    kernel.batch_invariant(False)
+    yield kernel
+    kernel.batch_invariant(True)
 
 
 def q4_weight(rows: int, cols: int, seed: int = 0, magnitude: float = 1.0):
@@ -72,6 +74,14 @@ def assert_rounded_once(got: torch.Tensor, want: torch.Tensor) -> None:
     assert (err <= want.abs() * 2.0**-8 + floor).all(), err.max().item()
 
 
+def assert_summed_in_float32(got: torch.Tensor, want: torch.Tensor, rel: float = 2.0**-16) -> None:
+    # q8 (the logits) is not rounded to bfloat16: float32's error in the sum alone
+    assert got.dtype == torch.float32
+    err = (got.double() - want).abs()
+    floor = 1e-4 * want.abs().max().item()
+    assert (err <= want.abs() * rel + floor).all(), err.max().item()
+
+
 def on_tiles(kernel: QuantMatmul, batch: int) -> bool:
     return 0 < kernel.tile_min_rows <= batch
 
@@ -81,8 +91,9 @@ def loaded_bf16(w: torch.Tensor) -> torch.Tensor:
     return w.float().bfloat16().double()
 
 
-# AMX: from 6 rows, in tiles of 16 rows; 32 columns a pass (48: one block of 16 left over);
-# 1,108 rows of K = 576 and 400 of K = 1,536 take two passes over W (1 MiB of x each).
+# AMX: from 1 row (by row count, 6), in tiles of 16 rows; 32 columns a pass (48: one block of
+# 16 left over); 1,108 rows of K = 576 and 400 of K = 1,536 take two passes over W (1 MiB of x
+# each).
 @pytest.mark.parametrize("batch", [1, 2, 3, 4, 5, 6, 8, 9, 16, 17, 35, 108])
 @pytest.mark.parametrize("shape", [(16, 32), (48, 96), (960, 576), (576, 1536)])
 def test_matches_the_exact_product(kernel, batch, shape):
@@ -103,20 +114,6 @@ def test_prompt_sized_inputs_in_more_than_one_pass(kernel, batch, shape):
     assert_rounded_once(got, x.double() @ (loaded_bf16(w) if on_tiles(kernel, batch) else w).T)
 
 
-@pytest.mark.parametrize("batch", [1, 3, 9])
-def test_the_plain_c_build_matches_the_exact_product(batch):
-    # What a CPU with neither AVX-512 nor AVX2 runs (built here with both turned off).
-    plain = QuantMatmul.load(extra_flags=("-mno-avx2", "-mno-fma") if X86 else ())
-    plain.sgemm_min_rows = 0  # the C code at every batch
-    for rows, cols in ((48, 96), (960, 576)):
-        x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(7)).bfloat16()
-        q, scale, low, w = q4_weight(rows, cols, seed=batch)
-        assert_rounded_once(plain.q4(x, QuantMatmul.pack_q4(q, scale, low), rows), x.double() @ w.T)
-        assert torch.equal(plain.dequantize_q4(QuantMatmul.pack_q4(q, scale, low), rows), w.float())
-        q, scale, w = q8_weight(rows, cols, seed=batch)
-        assert_rounded_once(plain.q8(x, QuantMatmul.pack_q8(q, scale), rows), x.double() @ w.T)
-
-
 @pytest.fixture
 def activations(kernel):
     """Sets how q4 takes x for one test (a setting of the whole process), then the default."""
@@ -124,7 +121,7 @@ def activations(kernel):
     kernel.use_activations("int16")
 
 
-def test_without_tiles_many_rows_go_to_a_float32_matmul(kernel, activations):
+def test_without_tiles_many_rows_go_to_a_float32_matmul(kernel, by_row_count, activations):
     if kernel.tile_min_rows:  # the tiles serve them
         assert kernel.sgemm_min_rows == 0
         return
@@ -167,11 +164,12 @@ def integer_reference(x, q, scale, low, bits) -> torch.Tensor:
     return y + x.double().view(B, K // 32, 32).sum(-1) @ low.double().T
 
 
-def needs_integers(kernel: QuantMatmul) -> None:
-    if not kernel.activation_bits:
-        pytest.skip("this build has no integer path for x (it has AVX2 without AVX-512 BF16)")
+def test_the_builds_with_an_avx2_q4_path_take_x_in_integers(kernel, variant):
+    # int16 by default there; the others keep x as it is, whatever is asked
+    assert kernel.activation_bits == (16 if variant in INTEGERS else 0)
 
 
+@in_integers
 @pytest.mark.parametrize("kind", ["int16", "int8"])
 @pytest.mark.parametrize("batch", [2, 3, 4, 5, 9, 33, 300])
 @pytest.mark.parametrize("shape", [(48, 96), (960, 576), (576, 1536)])
@@ -179,7 +177,6 @@ def test_x_in_integers_gives_their_exact_products(kernel, activations, kind, bat
     """Every tile shape (1-4 rows: 5, 9 and 33 end in a tile of 1; 300 rows of K = 1,536 take
     two chunks of x), against the exact sums of the same integers, rounded once; int16 against
     the exact product too. (One row alone stays in float32, as the tests above check.)"""
-    needs_integers(kernel)
     activations(kind)
     rows, cols = shape
     q, scale, low, w = q4_weight(rows, cols, seed=batch)
@@ -193,23 +190,23 @@ def test_x_in_integers_gives_their_exact_products(kernel, activations, kind, bat
         assert (got.double() - exact).norm() / exact.norm() < 0.02
 
 
-def test_one_row_stays_in_float32(kernel, activations):
-    """A decode step of one request reads the weights once, and the float32 path, which
-    unpacks each group straight into its FMAs, is as fast there: even with int8 chosen, one
-    row's product is exact (int8's would be about 0.7 % off)."""
-    needs_integers(kernel)
+@in_integers
+def test_one_row_stays_in_float32(kernel, by_row_count, activations):
+    """By row count, a decode step of one request reads the weights once, and the float32 path,
+    which unpacks each group straight into its FMAs, is as fast there: even with int8 chosen,
+    one row's product is exact (int8's would be about 0.7 % off)."""
     activations("int8")
     q, scale, low, w = q4_weight(960, 576, seed=1)
     x = torch.randn(1, 576, generator=torch.Generator().manual_seed(5)).bfloat16()
     assert_rounded_once(kernel.q4(x, QuantMatmul.pack_q4(q, scale, low), 960), x.double() @ w.T)
 
 
+@in_integers
 @pytest.mark.parametrize("kind", ["int16", "int8"])
 @pytest.mark.parametrize("sign", [1, -1])
 def test_the_largest_sums_do_not_overflow(kernel, activations, kind, sign):
     """Every quant 15 and every x its group's largest: int8's 16-bit lanes reach 16 * 15 * 127
     = 30,480 (of 32,767), int16's x its largest integer, 32,640 (255 / 128 * 2^14)."""
-    needs_integers(kernel)
     activations(kind)
     q = torch.full((32, 128), 15)
     scale, low = torch.full((32, 4), 0.25), torch.zeros(32, 4)
@@ -224,9 +221,8 @@ def test_activations_are_one_of_three(kernel):
         kernel.use_activations("int4")
 
 
+@pytest.mark.parametrize("variant", params(TILES), indirect=True)
 def test_tiles_multiply_by_exactly_the_loaded_bf16_weight(kernel):
-    if not kernel.tile_min_rows:
-        pytest.skip("no AMX tiles on this CPU")
     q, scale, low, w = q4_weight(48, 96, seed=2)
     # one-hot rows pick out single weights: each output is one product, w * 1, exact
     cols = torch.tensor([0, 1, 2, 31, 32, 33, 50, 63, 64, 90, 94, 95, 7, 40, 77, 18, 66])
@@ -238,13 +234,13 @@ def test_tiles_multiply_by_exactly_the_loaded_bf16_weight(kernel):
 
 @pytest.mark.parametrize("batch", [1, 4, 9])
 @pytest.mark.parametrize("magnitude", [1.0, 1e-3])  # 1e-3: scales below float16's normal range
-def test_portable_c_path_computes_the_same(kernel, portable, batch, magnitude):
+def test_every_build_computes_what_plain_c_does(kernel, plain_c, batch, magnitude):
     q, scale, low, w = q4_weight(64, 160, seed=3, magnitude=magnitude)
     x = torch.randn(batch, 160, generator=torch.Generator().manual_seed(8)).bfloat16()
     packed = QuantMatmul.pack_q4(q, scale, low)
-    got = portable.q4(x, packed, 64)
+    got = plain_c.q4(x, packed, 64)
     assert_rounded_once(got, x.double() @ w.T)
-    if on_tiles(kernel, batch):  # this CPU's path multiplies by the loaded bf16 weight
+    if on_tiles(kernel, batch):  # this build's path multiplies by the loaded bf16 weight
         assert_rounded_once(kernel.q4(x, packed, 64), x.double() @ loaded_bf16(w).T)
     else:  # the two paths differ at most in the order of float32 sums: one rounding apart
         torch.testing.assert_close(got, kernel.q4(x, packed, 64), rtol=2**-7, atol=1e-4)
@@ -256,7 +252,7 @@ def test_int4_weight_holds_a_q4_1_grid_exactly_and_agrees_with_torchs_kernel(ker
     assert ours.kernel is kernel and ours.error < 1e-3
     theirs = Int4Weight(w.float(), torch.bfloat16)  # torch's kernel, bf16 scales
     x = torch.randn(3, 192, generator=torch.Generator().manual_seed(1)).bfloat16()
-    assert_rounded_once(ours(x), x.double() @ w.T)
+    assert_rounded_once(ours(x), x.double() @ (loaded_bf16(w) if on_tiles(kernel, 3) else w).T)
     # torch's rounds its scales to bfloat16, so it is the less exact of the two
     torch.testing.assert_close(ours(x), theirs(x), rtol=0.02, atol=0.02)
     assert ours.nbytes == theirs.nbytes == 96 * 192 // 2 + 96 * (192 // 32) * 2 * 2
@@ -266,35 +262,45 @@ def test_scales_beyond_float16_fall_back_to_torchs_kernel(kernel):
     w = torch.randn(16, 32) * 1e6  # steps of ~1e5 are fine, lows of -2e6 are not float16
     weight = Int4Weight(w, torch.bfloat16, kernel)
     assert weight.kernel is None
-    assert weight.max_rows == INT4_MAX_ROWS  # torch's kernel: its own cut
+    assert weight.max_rows == TORCH_INT4_MAX_ROWS  # torch's kernel: its own cut
 
 
-def test_a_linear_reads_the_c_kernels_int4_copy_up_to_its_cut(kernel):
+def int4_layer(kernel: QuantMatmul, w: torch.Tensor) -> Linear:
+    layer = Linear(64, 32, bias=False)
+    layer.weight = torch.nn.Parameter(torch.zeros(32, 64, dtype=torch.bfloat16), False)
+    layer.use_int4(Int4Weight(w.float(), torch.bfloat16, kernel))  # differs from the zero weight
+    return layer
+
+
+def test_a_batch_invariant_linear_reads_the_int4_copy_for_every_input(kernel):
     q, scale, low, w = q4_weight(32, 64, seed=5)
-    vector = QuantMatmul.load(extra_flags=("-mno-amx-tile",) if X86 else ())
-    for k in (kernel, vector):
-        layer = Linear(64, 32, bias=False)
-        layer.weight = torch.nn.Parameter(torch.zeros(32, 64, dtype=torch.bfloat16), False)
-        layer.use_int4(Int4Weight(w.float(), torch.bfloat16, k))  # differs from the zero weight
-        if k.tile_min_rows:  # tiles serve every input: the bf16 copy is freed
-            assert layer.int4.max_rows == ALL_ROWS and layer.weight.numel() == 0
-            tiles = k.tile_min_rows  # from here the bf16 weight, below it the exact product
-            for rows in (1, tiles - 1, tiles, 300):
-                x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)).bfloat16()
-                want = x.double() @ (loaded_bf16(w) if rows >= tiles else w.double()).T
-                assert_rounded_once(layer(x), want)
-            continue
-        if not cpu_has_bf16_matmul():  # torch's bf16 matmul is slow here: C serves every input
-            assert layer.int4.max_rows == ALL_ROWS and layer.weight.numel() == 0
-            for rows in (1, 17, 300):
-                x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)).bfloat16()
-                assert_rounded_once(layer(x), x.double() @ w.double().T)
-            continue
-        cut = C_INT4_VECTOR_MAX_ROWS
-        assert layer.int4.max_rows == cut > INT4_MAX_ROWS and layer.weight.numel() == 32 * 64
-        for rows in (1, cut, cut + 1):
+    layer = int4_layer(kernel, w)
+    assert layer.int4.max_rows == ALL_ROWS and layer.weight.numel() == 0  # bf16 copy freed
+    for rows in (1, 17, 300):  # on tiles the bf16 weight, else the exact product
+        x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        want = x.double() @ (loaded_bf16(w) if on_tiles(kernel, rows) else w.double()).T
+        assert_rounded_once(layer(x), want)
+
+
+def test_by_row_count_a_linear_reads_the_int4_copy_up_to_its_cut(kernel, by_row_count):
+    q, scale, low, w = q4_weight(32, 64, seed=5)
+    layer = int4_layer(kernel, w)
+    if kernel.tile_min_rows:  # tiles serve every input: the bf16 copy is freed
+        assert layer.int4.max_rows == ALL_ROWS and layer.weight.numel() == 0
+        tiles = kernel.tile_min_rows  # from here the bf16 weight, below it the exact product
+        for rows in (1, tiles - 1, tiles, 300):
             x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)).bfloat16()
-            assert layer(x).any() == (rows <= cut)
+            want = x.double() @ (loaded_bf16(w) if rows >= tiles else w.double()).T
+            assert_rounded_once(layer(x), want)
+        return
+    if not cpu_has_bf16_matmul():  # torch's bf16 matmul is slow here: C serves every input
+        assert layer.int4.max_rows == ALL_ROWS and layer.weight.numel() == 0
+        return
+    cut = C_INT4_VECTOR_MAX_ROWS
+    assert layer.int4.max_rows == cut > TORCH_INT4_MAX_ROWS and layer.weight.numel() == 32 * 64
+    for rows in (1, cut, cut + 1):
+        x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        assert layer(x).any() == (rows <= cut)
 
 
 def test_refuses_inputs_that_do_not_fit_the_packed_weight(kernel):
@@ -327,29 +333,29 @@ def test_q8_matches_the_exact_product(kernel, batch, shape):
     x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(5)).bfloat16()
     got = kernel.q8(x, QuantMatmul.pack_q8(q, scale), rows)
     assert got.shape == (batch, rows)
-    assert_rounded_once(got, x.double() @ w.T)
+    assert_summed_in_float32(got, x.double() @ w.T)
 
 
+@in_integers
 @pytest.mark.parametrize("kind", ["int16", "int8"])
 @pytest.mark.parametrize("batch", [2, 3, 5, 16, 33, 300])
 @pytest.mark.parametrize("shape", [(48, 96), (4096, 576)])
 def test_q8_takes_x_as_int16_whichever_width_q4_takes(kernel, activations, kind, batch, shape):
     """The logits head from 2 rows: the exact sums of x quantized to int16 (int8 would cost the
     logits 0.7 %), rounded once; every tile shape, and two chunks of x at 300 rows."""
-    needs_integers(kernel)
     activations(kind)
     rows, cols = shape
     q, scale, w = q8_weight(rows, cols, seed=batch)
     x = (torch.randn(batch, cols, generator=torch.Generator().manual_seed(5)) * 4).bfloat16()
     got = kernel.q8(x, QuantMatmul.pack_q8(q, scale), rows)
-    assert_rounded_once(got, integer_reference(x, q, scale, None, 16))
-    assert_rounded_once(got, x.double() @ w.T)
+    assert_summed_in_float32(got, integer_reference(x, q, scale, None, 16))
+    assert_summed_in_float32(got, x.double() @ w.T, rel=2.0**-8)  # x's int16 rounding too
 
 
+@in_integers
 def test_q8_in_float32_keeps_what_int16_rounds_away(kernel, activations):
     """x of 2^-12 in a group whose largest is 2^4 is a quarter of int16's step (2^(4 - 14)):
     with x in integers it rounds to 0; with activations float32 the head multiplies x as it is."""
-    needs_integers(kernel)
     q = torch.zeros(16, 32, dtype=torch.long)
     q[:, 1:] = 100  # every input but the large first one
     scale = torch.full((16, 1), 0.5)
@@ -358,28 +364,28 @@ def test_q8_in_float32_keeps_what_int16_rounds_away(kernel, activations):
     packed = QuantMatmul.pack_q8(q, scale)
     assert not kernel.q8(x, packed, 16).any()
     activations("float32")
-    assert torch.equal(kernel.q8(x, packed, 16), torch.full((2, 16), 31 * 50 * 2.0**-12).bfloat16())
+    assert torch.equal(kernel.q8(x, packed, 16), torch.full((2, 16), 31 * 50 * 2.0**-12))
 
 
+@in_integers
 @pytest.mark.parametrize("sign", [1, -1])
 def test_q8_largest_sums_do_not_overflow(kernel, sign):
     """Every quant 127 and every x its group's largest integer (32,640): a lane sums 32
     products of 4.1 M, 133 M of int32's 2,147 M."""
-    needs_integers(kernel)
     q, scale = torch.full((16, 128), 127), torch.full((16, 4), 0.25)
     x = torch.full((2, 128), sign * 255 / 128, dtype=torch.bfloat16)
     got = kernel.q8(x, QuantMatmul.pack_q8(q, scale), 16)
-    exact = sign * 128 * 127 * 0.25 * 255 / 128  # 8,096.25, rounded once: 8,096
-    assert torch.equal(got, torch.full((2, 16), exact).bfloat16())
+    exact = sign * 128 * 127 * 0.25 * 255 / 128  # 8,096.25, exact in float32
+    assert torch.equal(got, torch.full((2, 16), exact))
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-def test_q8_portable_c_path_computes_the_same(kernel, portable, batch):
+def test_q8_every_build_computes_what_plain_c_does(kernel, plain_c, batch):
     q, scale, w = q8_weight(32, 128, seed=2)
     x = torch.randn(batch, 128, generator=torch.Generator().manual_seed(6)).bfloat16()
     packed = QuantMatmul.pack_q8(q, scale)
-    got = portable.q8(x, packed, 32)
-    assert_rounded_once(got, x.double() @ w.T)
+    got = plain_c.q8(x, packed, 32)
+    assert_summed_in_float32(got, x.double() @ w.T)
     torch.testing.assert_close(got, kernel.q8(x, packed, 32), rtol=2**-7, atol=1e-4)
 
 
@@ -393,28 +399,34 @@ def test_q8_weight_is_made_only_from_weights_on_the_grid(kernel):
     assert Q8Weight.exact(w.float()[:24], kernel) is None  # 24 rows: not whole blocks of 16
 
 
-def test_logits_head_reads_the_q8_copy_for_decode_sized_inputs(kernel):
+@pytest.mark.parametrize("invariant", [True, False], ids=["invariant", "by row count"])
+def test_logits_head_reads_the_q8_copy_for_decode_sized_inputs(kernel, invariant):
     q, scale, w = q8_weight(64, 96, seed=9)
-    # a head whose bf16 weight differs from its Q8 copy shows which one a call read
-    q8 = Q8Weight(QuantMatmul.pack_q8(q, scale), 64, kernel)
-    head = LogitsHead(torch.zeros(64, 96, dtype=torch.bfloat16), q8)
-    # where oneDNN has no bf16 matmul, the Q8 copy serves every input
-    cut = HEAD_Q8_MAX_ROWS if cpu_has_bf16_matmul() else ALL_ROWS
-    assert head.q8_max_rows == cut
-    for rows in (1, HEAD_Q8_MAX_ROWS, HEAD_Q8_MAX_ROWS + 1, 40):
-        x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).bfloat16()
-        got = head(x)
-        if rows <= cut:
-            assert_rounded_once(got, x.double() @ w.T)
-        else:
-            assert not got.any()
+    kernel.batch_invariant(invariant)
+    try:
+        # a head whose bf16 weight differs from its Q8 copy shows which one a call read
+        q8 = Q8Weight(QuantMatmul.pack_q8(q, scale), 64, kernel)
+        head = LogitsHead(torch.zeros(64, 96, dtype=torch.bfloat16), q8, invariant)
+        # batch invariant, or where oneDNN has no bf16 matmul, the Q8 copy serves every input
+        cut = HEAD_Q8_MAX_ROWS if cpu_has_bf16_matmul() and not invariant else ALL_ROWS
+        assert head.q8_max_rows == cut
+        for rows in (1, HEAD_Q8_MAX_ROWS, HEAD_Q8_MAX_ROWS + 1, 40):
+            x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).bfloat16()
+            got = head(x)
+            assert got.dtype == torch.float32  # logits are not rounded to bfloat16
+            if rows <= cut:
+                assert_summed_in_float32(got, x.double() @ w.T, rel=2.0**-8)
+            else:
+                assert not got.any()
+    finally:
+        kernel.batch_invariant(True)
 
 
-@pytest.mark.skipif(not cpu_has_bf16_matmul(), reason="oneDNN has no bf16 matmul here")
+@pytest.mark.parametrize("variant", params(TILES), indirect=True)
 def test_tile_registers_are_shared_with_torchs_amx_kernels(kernel):
-    # torch's flash SDPA and oneDNN's bf16 matmul use the same AMX tile registers on this CPU
-    # (where it has them): each configures its tiles, and the C q4 path releases its own, so
-    # interleaving them must leave every result as it was alone.
+    # torch's flash SDPA and oneDNN's bf16 matmul use the same AMX tile registers on this CPU:
+    # each configures its tiles, and the C q4 path releases its own, so interleaving them must
+    # leave every result as it was alone.
     import torch.nn.functional as F
 
     from servelm.model.layers.linear import _pack, packed_linear
@@ -438,12 +450,21 @@ def test_tile_registers_are_shared_with_torchs_amx_kernels(kernel):
         assert torch.equal(packed_linear(x, packed_bf16), alone[1])
 
 
-def test_it_says_whether_it_uses_tiles(kernel):
-    has_amx = amx_expected()
-    # 6 rows: where the tile unit is faster in whole decode steps (quant_matmul.c)
-    assert kernel.tile_min_rows == (6 if has_amx else 0)
-    if X86:
-        assert QuantMatmul.load(extra_flags=("-mno-amx-tile",)).tile_min_rows == 0
+def test_it_says_whether_it_uses_tiles(kernel, variant):
+    # batch invariant, every row on the tiles; by row count from 6 rows, where the tile unit is
+    # faster in whole decode steps (quant_matmul.c)
+    assert kernel.tile_min_rows == (1 if variant in TILES else 0)
+    kernel.batch_invariant(False)
+    try:
+        assert kernel.tile_min_rows == (6 if variant in TILES else 0)
+    finally:
+        kernel.batch_invariant(True)
+
+
+def test_the_engines_build_takes_this_cpus_path():
+    kernel = QuantMatmul.load()
+    assert kernel.tile_min_rows == (1 if native() in TILES else 0)
+    assert kernel.activation_bits == (16 if native() in INTEGERS else 0)
 
 
 # -- quantizing at load: the C quantizers against the same steps in torch ----------------------
@@ -494,30 +515,19 @@ def quantizer_inputs() -> dict[str, torch.Tensor]:
     return inputs
 
 
-@pytest.fixture(scope="module")
-def plain_c() -> QuantMatmul:
-    """A build without AVX2 (on x86): the quantizers' plain C loops."""
-    loaded = QuantMatmul.load(extra_flags=("-mno-avx2",) if X86 else ())
-    assert loaded is not None
-    return loaded
-
-
 @pytest.mark.parametrize("name", list(quantizer_inputs()))
-def test_quantizers_match_torchs_steps_bit_for_bit(kernel, portable, plain_c, name):
+def test_quantizers_match_torchs_steps_bit_for_bit(kernel, name):
     w = quantizer_inputs()[name]
-    for build in (kernel, portable, plain_c):
-        for ours, theirs in (
-            (build.quantize_q4(w), torch_q4(w)),
-            (build.quantize_q8(w), torch_q8(w)),
-        ):
-            assert ours is not None and theirs is not None
-            assert torch.equal(ours[0], theirs[0]), name
-            assert ours[1] == theirs[1], name
+    for ours, theirs in (
+        (kernel.quantize_q4(w), torch_q4(w)),
+        (kernel.quantize_q8(w), torch_q8(w)),
+    ):
+        assert ours is not None and theirs is not None
+        assert torch.equal(ours[0], theirs[0]), name
+        assert ours[1] == theirs[1], name
 
 
-@pytest.mark.parametrize("build", ["default", "plain C"])
-def test_quantizers_refuse_what_float16_cannot_hold(kernel, plain_c, build):
-    kernel = kernel if build == "default" else plain_c
+def test_quantizers_refuse_what_float16_cannot_hold(kernel):
     big = torch.randn(16, 64) * 1e6  # q4 lows of -2e6 are not float16 (q8 scales of 2e4 are)
     assert kernel.quantize_q4(big) is None and torch_q4(big) is None
     assert kernel.quantize_q8(big) is not None and torch_q8(big) is not None

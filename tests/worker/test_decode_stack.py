@@ -2,44 +2,64 @@
 
 The tiny model in bfloat16 with int4 weights (`quantization="int4"`) runs every piece of a layer
 in C on the CPU, so its small decode steps take the stack; each test compares with the same
-engine's Python path (`decode_stack = None`), which the golden tests hold to transformers.
+engine's Python path (`decode_stack = None`), which the golden tests hold to transformers. Each
+test runs on every build of the C kernels this host can run (tests/kernels/variants.py: the
+engine loads it through $SERVELM_KERNEL_VARIANT).
 """
 
 import pytest
 import torch
 
 from servelm import LLM, SamplingParams
+from servelm.kernels import variants
 from servelm.kernels.build import compiler
+from servelm.kernels.paths import ALL_ROWS, StepPaths
 from servelm.kernels.quant_matmul import QuantMatmul
-from servelm.model.layers.linear import ALL_ROWS, c_int4_max_rows
+from tests.kernels.variants import PREFILL, flags, params
 from tests.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="the C kernels need a C compiler")
-KERNEL = QuantMatmul.load() if compiler() is not None else None
-# steps of up to this many tokens take the stack here: all with AMX tiles, 16 with AVX-512
-# alone, 191 with AVX2 alone (wider steps multiply in float32)
-MAX_ROWS = min(c_int4_max_rows(KERNEL), KERNEL.c_max_rows) if KERNEL is not None else 0
-# batches the stack takes; and, where the cut is low, one over it
-BATCHES = [1, 3, 9, 40] if MAX_ROWS > 40 else [1, 3, 9, MAX_ROWS, MAX_ROWS + 3]
 
 
-def int4_llm(model_dir, **kw) -> LLM:
-    return LLM(str(model_dir), dtype="bfloat16", quantization="int4", kv_cache_memory="4MiB",
-               device="cpu", **kw)  # fmt: skip
+def max_rows(variant: str) -> int:
+    """Steps of up to this many tokens take the stack in this build (`StepPaths`: all of them,
+    batch invariant)."""
+    return StepPaths.of(QuantMatmul.load(flags(variant))).stack_max_rows
+
+
+def batches(variant: str) -> list[int]:
+    """Batches the stack takes; and, where the cut is low, one over it."""
+    rows = max_rows(variant)
+    return [1, 3, 9, 40] if rows > 40 else [1, 3, 9, rows, rows + 3]
+
+
+# (variant, batch) for each variant this host runs (its kernel built here, at collection)
+VARIANT_BATCHES = [
+    pytest.param(p.values[0], batch, id=f"{p.id}-{batch}", marks=p.marks)
+    for p in params()
+    for batch in (batches(p.values[0]) if not p.marks and compiler() else [1])
+]
+
+
+def int4_llm(model_dir, variant: str, **kw) -> LLM:
+    with pytest.MonkeyPatch.context() as env:  # the kernels load while the engine is built
+        env.setenv(variants.ENV, variant)
+        return LLM(str(model_dir), dtype="bfloat16", quantization="int4", kv_cache_memory="4MiB",
+                   device="cpu", **kw)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def llm32(tmp_path_factory):
-    """The tiny model with 32-wide heads, which the C prefill attention takes (on AMX CPUs)."""
+def llm32(tmp_path_factory, variant):
+    """The tiny model with 32-wide heads, which the C prefill attention takes (AMX or AVX2)."""
     model_dir = build_tiny_model(tmp_path_factory.mktemp("tiny-llama-d32"), head_dim=32)
-    return int4_llm(model_dir, enable_prefix_caching=False)
+    return int4_llm(model_dir, variant, enable_prefix_caching=False)
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_model_dir):
+def llm(tiny_model_dir, variant):
     # No prefix caching: a second run of the same prompts would start from cached blocks and
     # compute the rest in other batch shapes, which round differently in bfloat16.
-    return int4_llm(tiny_model_dir, enable_prefix_caching=False)
+    return int4_llm(tiny_model_dir, variant, enable_prefix_caching=False)
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -47,20 +67,22 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(3, 380, (5 + 13 * i,), generator=g).tolist() for i in range(n)]
 
 
-def test_it_is_built_and_named(llm):
+def test_it_is_built_and_named(llm, variant):
     runner = llm.engine.executor
     assert runner.decode_stack is not None
-    assert runner.decode_stack.max_rows == runner.decode_stack_max_tokens == MAX_ROWS
-    steps = "decode steps" if MAX_ROWS == ALL_ROWS else f"decode steps of <= {MAX_ROWS} tokens"
+    rows = max_rows(variant)
+    assert runner.decode_stack.max_rows == runner.decode_stack_max_tokens == rows
+    steps = "decode steps" if rows == ALL_ROWS else f"decode steps of <= {rows} tokens"
     assert f"; {steps}: all layers in one C call" in runner.kernel_summary
 
 
-def test_the_step_paths_say_from_which_step_size_matmuls_run_in_float32(llm, monkeypatch):
+def test_the_step_paths_say_from_which_step_size_matmuls_run_in_float32(llm, variant, monkeypatch):
     # What the simulator's fit is told (`step_paths`) against what the layers do: count the
     # int4 weights dequantized to float32 for torch's matmul in a one-prompt step of each size.
     runner = llm.engine.executor
     wide = runner.wide_step_min_tokens
-    assert runner.step_paths == {"decode_stack_max_tokens": MAX_ROWS, "wide_step_min_tokens": wide}
+    paths = {"decode_stack_max_tokens": max_rows(variant), "wide_step_min_tokens": wide}
+    assert runner.step_paths == paths
     kernel = runner.quant_kernel
     calls = []
     dequantize = kernel.dequantize_q4
@@ -110,13 +132,14 @@ def test_one_step_gives_the_python_layers_hidden_states_bit_for_bit(llm, n):
     assert got is not None and torch.equal(got, expected) and same_kv
 
 
-def test_prompt_and_mixed_steps_give_the_python_layers_hidden_states_bit_for_bit(llm32):
+def test_prompt_and_mixed_steps_give_the_python_layers_hidden_states_bit_for_bit(llm32, variant):
     runner = llm32.engine.executor
-    if runner.attn.prefill_kernel is None:
-        assert not runner.decode_stack.takes_prompts
-        pytest.skip("no C prefill attention on this CPU: prompts take the Python path")
+    if variant not in PREFILL:  # no C prefill attention in this build: prompts take Python
+        assert runner.attn.prefill_kernel is None and not runner.decode_stack.takes_prompts
+        return
     assert runner.decode_stack.takes_prompts
-    steps = "every step" if MAX_ROWS == ALL_ROWS else f"steps of <= {MAX_ROWS} tokens"
+    rows = max_rows(variant)
+    steps = "every step" if rows == ALL_ROWS else f"steps of <= {rows} tokens"
     assert f"; {steps}" in runner.kernel_summary
     # (cached, new, blocks): decodes before, between and after two prompt chunks, one of
     # them after 20 cached tokens, the other a fresh prompt of 37
@@ -168,7 +191,7 @@ def test_generation_with_prompts_through_it_is_the_same(llm32):
     assert_same_generation_without_it(llm32, prompts(6, seed=4), params)
 
 
-@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize(("variant", "batch"), VARIANT_BATCHES, indirect=["variant"])
 def test_generation_is_the_same_with_and_without_it(llm, batch):
     # batch > MAX_ROWS: the first steps are too big for the stack and fall back, the last
     # ones (as requests finish at different lengths) take it again. With AMX tiles the stack
@@ -177,17 +200,17 @@ def test_generation_is_the_same_with_and_without_it(llm, batch):
     assert_same_generation_without_it(llm, prompts(batch, seed=batch), params)
 
 
-def test_steps_it_does_not_take(llm):
+def test_steps_it_does_not_take(llm, variant):
     runner = llm.engine.executor
     stack, attn = runner.decode_stack, runner.attn
     with torch.inference_mode():
         # a prefill (no tokens cached yet): this model's 16-wide heads have no C prefill attention
         attn.plan([(0, 4, [1])], torch.device("cpu"), torch.bfloat16)
         assert stack(torch.tensor([5, 6, 7, 8]), torch.arange(4)) is None
-        if MAX_ROWS == ALL_ROWS:  # no decode step is too big
+        if max_rows(variant) == ALL_ROWS:  # no decode step is too big
             return
         # one more decode token than the int4 weights serve
-        n = MAX_ROWS + 1
+        n = max_rows(variant) + 1
         attn.plan([(3, 1, [i]) for i in range(n)], torch.device("cpu"), torch.bfloat16)
         assert stack(torch.full((n,), 5), torch.full((n,), 3)) is None
 
