@@ -39,8 +39,9 @@ def test_the_variants_this_host_runs_are_distinct_builds_and_one_is_native():
     features = [variants.macros(variants.flags(v)) for v in runs]
     for more, fewer in zip(features, features[1:], strict=False):
         assert fewer < more  # each variant a strict subset of the one before: its own code
-    native = variants.native()
-    assert native is not None and variants.flags(native) == ()  # the engine's build is one
+    # the engine's build is one of them (here, and on Ice Lake or an EPYC before Zen 4, where
+    # this checks that the variant named for that CPU takes nothing away from it)
+    assert variants.flags(variants.native()) == ()
     # a variant that lacks the features of the CPU it names is not offered
     for v in variants.VARIANTS:
         if not set(v.cpu) <= variants.cpu_flags():
