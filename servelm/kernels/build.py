@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 CFLAGS = ["-O3", "-march=native", "-std=gnu11", "-fopenmp", "-fPIC", "-shared"]
 COMPILE_TIMEOUT_S = 120
 SOURCES = sorted(Path(__file__).parent.glob("*.c"))  # every kernel servelm ships
+SOURCES_BY_STEM = {source.stem: source for source in SOURCES}
 
 
 def cache_dir() -> Path:
@@ -139,8 +140,12 @@ def build_all() -> list[Path]:
     flags = variants.selected()
     if flags:
         logger.info("C kernels: %s=%s", variants.ENV, os.environ[variants.ENV])
-    with ThreadPoolExecutor(max_workers=len(SOURCES)) as pool:
-        built = pool.map(lambda source: build(source, flags), SOURCES)
+    jobs = [(source, flags) for source in SOURCES]
+    fallback = variants.prefill_fallback()
+    if fallback is not None:  # this CPU's prefill attention comes from another build
+        jobs.append((SOURCES_BY_STEM["paged_prefill"], (*flags, *fallback)))
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        built = pool.map(lambda job: build(*job), jobs)
         return [path for path in built if path is not None]
 
 

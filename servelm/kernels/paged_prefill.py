@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from servelm.kernels import variants
 from servelm.kernels.build import load_library
 from servelm.kernels.paged_decode import rows_of_heads
 
@@ -42,14 +43,21 @@ class PagedPrefillKernel:
 
     @classmethod
     def load(
-        cls, dtype: torch.dtype, head_dim: int, block_size: int, extra_flags: tuple[str, ...] = ()
+        cls,
+        dtype: torch.dtype,
+        head_dim: int,
+        block_size: int,
+        extra_flags: tuple[str, ...] | None = None,
     ) -> PagedPrefillKernel | None:
         """The kernel, or None where there is none: not bfloat16, a head size that is not a
         multiple of 32 up to 256, blocks not a multiple of 16 tokens, no C compiler, or a CPU
-        (or kernel) with neither AMX tiles nor AVX2 (the vector path is for CPUs without
-        AVX-512). `extra_flags`: for the compiler (tests build it without AMX this way)."""
+        (or kernel) with neither AMX tiles nor AVX2. `extra_flags`: for the compiler (tests
+        build each variant this way); None: this CPU's build, or where that has no path (an
+        AVX-512 CPU without AMX) the avx2 build's (`variants.prefill_fallback`)."""
         if dtype != torch.bfloat16 or head_dim % 32 or head_dim > 256 or block_size % 16:
             return None
+        if extra_flags is None:
+            extra_flags = variants.prefill_fallback() or ()
         lib = load_library(SOURCE, extra_flags)
         if lib is None:
             return None

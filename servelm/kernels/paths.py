@@ -119,7 +119,7 @@ class StepPaths:
         parts = ["batch invariant" if self.invariant else "paths by row count"]
         if self.c_kernel:
             if self.tile_min_rows:
-                parts.append(f"q4 on AMX tiles from {self.tile_min_rows} rows")
+                parts.append(f"q4 on AMX tiles from {self.tile_min_rows} row(s)")
             elif self.activation_bits:
                 parts.append(f"q4 with x as int{self.activation_bits}")
             parts.append(f"C int4 matmuls: {rows(self.int4_max_rows)}")

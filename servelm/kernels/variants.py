@@ -204,3 +204,21 @@ def selected() -> tuple[str, ...]:
     if reason is not None:
         raise ValueError(f"{ENV}={name}: {reason}")
     return flags(variant)
+
+
+def prefill_fallback() -> tuple[str, ...] | None:
+    """The flags of the build whose prefill attention this CPU runs where its own build has
+    none; None where its own build has one (or none can). `paged_prefill.c` has a path on AMX
+    tiles and one in AVX2 vectors for CPUs without AVX-512: an AVX-512 CPU without AMX (Ice
+    Lake, Zen 4) runs the avx2 build's, which it executes, rather than torch's SDPA, and so
+    attends prompt and decode tokens alike in C (batch invariance). Decided from the CPU's
+    flags, without asking the compiler, since every start asks."""
+    name = os.environ.get(ENV, "")
+    if name and name != "native":  # the selected build's features, not the CPU's
+        cpu, amx = frozenset(get(name).cpu), "amx_tile" in get(name).cpu
+    else:
+        cpu = cpu_flags()
+        amx = "amx_tile" in cpu and amx_granted()
+    if amx or "avx512f" not in cpu or not X86 or unavailable(BY_NAME["avx2"]) is not None:
+        return None
+    return flags(BY_NAME["avx2"])

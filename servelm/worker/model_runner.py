@@ -192,12 +192,8 @@ class ModelRunner:
         layers = "C cpu_ops" if self.model.cpu_ops else "torch ops"
         summary = f"{self.paths.summary()}; decode attention: {attention}"
         summary += f"; prefill attention: {prefill_attention}; norm, rotary, SiLU: {layers}"
-        if self.int4_layers:
+        if self.int4_layers:  # (which rows, and how: the paths' summary above)
             int4 = "C q4_matmul" if self.quant_kernel else "torch _weight_int4pack_mm"
-            if self.quant_kernel and self.quant_kernel.tile_min_rows:
-                int4 += f" (AMX tiles from {self.quant_kernel.tile_min_rows} rows, prompts too)"
-            elif self.quant_kernel and self.quant_kernel.activation_bits:
-                int4 += f" (x as int{self.quant_kernel.activation_bits}, prompts too)"
             summary += f"; int4 projections: {int4}"
         if self.model.head_q8 is not None:
             summary += "; logits head: C q8_matmul (Q8_0)"

@@ -158,3 +158,32 @@ def test_build_all_then_the_engine_load_the_same_files(tmp_path):
     assert "compiling" not in second.stderr
     assert second.stdout.split() == [str(p) for p in built]
     assert sorted(cache.glob("*.so")) == built
+
+
+@needs_compiler
+@pytest.mark.parametrize("selected", ["avx512-nobf16", "avx512"])
+def test_an_avx512_cpu_without_amx_attends_with_the_avx2_build(selected, monkeypatch):
+    # Its own build of paged_prefill.c has no path (AVX2's needs no AVX-512, AMX's tiles): it
+    # runs the avx2 build's, for prompt and decode tokens alike, and build_all builds that too.
+    for name in (selected, "avx2"):
+        if variants.unavailable(variants.get(name)):
+            pytest.skip(f"this host cannot run {name}")
+    monkeypatch.setenv(variants.ENV, selected)
+    assert variants.prefill_fallback() == variants.flags(variants.get("avx2"))
+    import torch
+
+    from servelm.kernels.paged_prefill import PagedPrefillKernel
+
+    kernel = PagedPrefillKernel.load(torch.bfloat16, 64, 16)
+    assert kernel is not None and kernel.name.endswith("(AVX2)")
+    built = {p.name.split("-")[0] for p in build.build_all()}
+    assert built == set(SOURCES)
+    assert len(build.build_all()) == len(SOURCES) + 1  # the fallback build as well
+
+
+@needs_compiler
+def test_a_build_with_its_own_prefill_path_needs_no_fallback(monkeypatch):
+    for name in ("avx2", "amx"):
+        if not variants.unavailable(variants.get(name)):
+            monkeypatch.setenv(variants.ENV, name)
+            assert variants.prefill_fallback() is None

@@ -19,5 +19,6 @@ def test_a_batch_invariant_head_gives_each_row_its_own_logits(rows):
     assert together.dtype == torch.float32 and together.shape == (rows, 1000)
     for i in range(rows):
         assert torch.equal(head(x[i : i + 1])[0], together[i]), i
-    torch.testing.assert_close(together, x.double() @ weight.double().T, rtol=1e-5, atol=1e-4,
-                               check_dtype=False)
+    torch.testing.assert_close(
+        together, x.double() @ weight.double().T, rtol=1e-5, atol=1e-4, check_dtype=False
+    )
