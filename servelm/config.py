@@ -78,7 +78,7 @@ class EngineArgs:
     revision: str | None = None
     served_model_name: str | None = None
     dtype: str = "auto"
-    quantization: str = "auto"  # auto: int4 decode weights where lossless (see --quantization)
+    quantization: str = "auto"  # auto: int4 projection weights where lossless (--quantization)
     device: str = "auto"
     kernels: str = "auto"  # auto: servelm's C kernels on the CPU where they build; torch
     int4_activations: str = "int16"  # how the C kernel's int4 matmuls take x (AVX2 path)
@@ -119,7 +119,7 @@ class EngineArgs:
             "--quantization",
             default="auto",
             choices=["auto", "none", "int4"],
-            help="int4: decode steps read 4-bit copies of the projection weights (CPU, "
+            help="int4: the projections multiply 4-bit copies of their weights (CPU, "
             "bfloat16; lossy unless the weights are 4-bit already); auto: int4 only when "
             "lossless, as for a Q4_1 GGUF such as the default model",
         )
@@ -128,22 +128,20 @@ class EngineArgs:
             "--kernels",
             default="auto",
             choices=["auto", "torch"],
-            help="auto: on the CPU, decode attention, the fused norm / rotary / SiLU layers and "
-            "the int4 / Q8_0 matmuls of decode steps run in servelm's C kernels (built with the "
-            "system C compiler on first use, then cached), and a decode step of at most 32 (16 "
-            "without AMX) tokens runs all its layers in one C call; torch where they cannot be built; "
-            "torch: torch ops only, as on CUDA",
+            help="auto: on the CPU, attention, the fused norm / rotary / SiLU layers and the "
+            "int4 / Q8_0 matmuls run in servelm's C kernels (built with the system C compiler "
+            "on first use, then cached), and a step whose int4 matmuls stay in C runs all its "
+            "layers in one C call (with --batch-invariant, every step); torch ops where they "
+            "cannot be built. torch: torch ops only, as on CUDA",
         )
         g.add_argument(
             "--int4-activations",
             default="int16",
             choices=["int16", "int8", "float32"],
-            help="on a CPU with AVX2 but neither AMX nor oneDNN's bf16 matmul, how the C "
-            "kernel's int4 matmuls take inputs of 2 rows or more: quantized per group of 32 to "
-            "int16 (exact but for inputs 2^7 below their group's largest; 1.3-1.8x faster than "
-            "float32), or to int8 as llama.cpp does (faster again, about 0.7 %% off: more "
-            "answers drift from transformers'), or in float32; the Q8_0 logits head takes "
-            "int16 under either integer width",
+            help="how the C int4 matmuls take x on a CPU with AVX2 but without AVX-512 BF16: "
+            "as int16 per group of 32 (exact but for x 2^7 below its group's largest; faster "
+            "than float32), int8 as llama.cpp does (faster again, about 0.7 %% off), or float32; "
+            "the Q8_0 logits head takes int16 under either integer width",
         )
         g.add_argument(
             "--batch-invariant",

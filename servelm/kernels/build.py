@@ -56,9 +56,9 @@ _compiler_lock = threading.Lock()
 def _compiler_with_version() -> tuple[list[str], str] | None:
     """The compiler and what `--version` says, chosen once per process for every library.
     Under a lock: `build_all` asks from several threads at once, and `sysconfig` fills its
-    variables lazily and without a lock, so a thread could read no CC while another filled
-    them in, take `cc` where the others took `gcc` (one binary, another name) and build under
-    another cache key: the engine then found one compiler's libraries and built them again."""
+    variables lazily and without a lock, so a thread could read no CC, take `cc` where the
+    others took `gcc` (one binary, another name) and build everything again under another
+    cache key."""
     with _compiler_lock:
         return _chosen_compiler()
 
@@ -99,8 +99,7 @@ def build(source: Path, extra_flags: tuple[str, ...] = ()) -> Path | None:
     ).hexdigest()[:16]
     target = cache_dir() / f"{source.stem}-{key}.so"
     if not target.exists():
-        # What made the key, so that an unexpected rebuild can be traced to its cause (twice in
-        # session 15 a second start rebuilt a source that had not changed).
+        # What made the key, so that an unexpected rebuild can be traced to its cause.
         parts = {"source": texts[0], "headers": "\0".join(texts[1:]), "compiler": version}
         parts["cpu flags"] = _cpu_flags()
         logger.info(
@@ -135,8 +134,8 @@ def build(source: Path, extra_flags: tuple[str, ...] = ()) -> Path | None:
 def build_all() -> list[Path]:
     """Every kernel servelm ships, built at once (one compiler per source, side by side): the
     engine calls this before loading any of them, so a first start on a new machine waits for
-    the slowest source, not for their sum (measured here with the four sources: 2.6 s, against
-    0.3 + 0.04 + 1.3 + 2.4 s compiled one by one). The builds `load_library` then loads."""
+    the slowest source, not for their sum (docs/performance.md). The builds `load_library` then
+    loads."""
     flags = variants.selected()
     if flags:
         logger.info("C kernels: %s=%s", variants.ENV, os.environ[variants.ENV])

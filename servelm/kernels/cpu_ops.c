@@ -14,8 +14,7 @@
  */
 
 /* Wide vectors where the CPU has them: the compiler vectorizes these loops, and on x86 keeps
- * to 256 bits unless told. With 512 the three ops take ~25 % less time here, a 1,024-token
- * prefill ~5 % (264 against 278 ms); decode steps are unchanged. */
+ * to 256 bits unless told; 512 makes the ops faster (docs/performance.md). */
 #if defined(__AVX512F__) && defined(__GNUC__) && !defined(__clang__)
 #pragma GCC target("prefer-vector-width=512")
 #endif
@@ -94,10 +93,8 @@ DEFINE_OPS(f32, 0)
 /* bfloat16 in vectors, where a row is a whole number of them (other rows take the loops above):
  * the same arithmetic LANES_ lanes at a time, one body for both widths through the V_ names.
  * With AVX-512 BF16, 16 lanes, rounding with the convert instruction (to nearest even, as
- * float_to_bf16): inside the default model's steps a 1,108-token prefill's norms, rotary and
- * SiLU went from 51.5 to 32.1 ms. With AVX2, 8 lanes, rounding in integer code as
- * float_to_bf16 does: in a 256-token prefill on 2 cores of an AVX2-only EPYC (cProfile) the
- * SiLU went from 87 to 12 ms and the norms from 18 to 10 ms. */
+ * float_to_bf16); with AVX2, 8 lanes, rounding in integer code as float_to_bf16 does. The
+ * scalar loops cost prompts several times more (docs/performance.md). */
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define LANES_ 16
 typedef __m512 vec;

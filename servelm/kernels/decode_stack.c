@@ -1,10 +1,9 @@
 /* A step's whole layer stack in one call: the same kernels, in the same order, that
  * LlamaDecoderLayer.forward calls one by one from Python.
  *
- * At one token per request the default model's step took 14.2 ms through the Python layers and
- * 5.8 ms in this loop: per layer ~190 us of kernels and ~280 us of the ~10 Python calls around
- * them (module dispatch, argument checks, output allocation, ctypes). This
- * loop calls the kernels directly, through pointers to the functions the other libraries
+ * At one token per request the ~10 Python calls around a layer's kernels (module dispatch,
+ * argument checks, output allocation, ctypes) cost more than the kernels (docs/performance.md).
+ * This loop calls the kernels directly, through pointers to the functions the other libraries
  * export (cpu_ops.c, quant_matmul.c, paged_decode.c, paged_prefill.c), so each of them stays
  * the only copy of its code and the results are bit for bit those of the Python path. Per
  * layer, for the step's B rows (tokens):
@@ -13,6 +12,8 @@
  *   qkv = h Wqkv^T;  rotate q and k         q4_matmul, rotary
  *   a = attention(q; store k, v at slots)   paged_decode for decode tokens (storing theirs);
  *                                           prompt tokens stored first, then paged_prefill
+ *                                           (with batch invariance, a decode token too, as a
+ *                                           prompt chunk of one)
  *   delta = a Wo^T;  h = norm(x += delta)   q4_matmul, add_rms_norm
  *   delta = silu(h Wg^T) * (h Wu^T) Wd^T    q4_matmul, silu_and_mul, q4_matmul
  *

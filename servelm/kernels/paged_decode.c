@@ -155,10 +155,7 @@ INLINE void attend_one_head(const void *q, int64_t q_row, const void *k_cache,
  * softmax in 8 lanes. While a block is computed, each of its rows asks for the same row of the
  * sequence's next block: the blocks lie anywhere in the cache, so no hardware prefetcher can
  * guess them, and one request per row spreads the requests over the block instead of queueing
- * them all at its start. 16 sequences of 300 tokens through 30 layers' caches (a C harness,
- * 2-core AMD EPYC): 24-33 ms with the generic loops, 13 ms with these (reading the same rows
- * alone: 7-9 ms); with the caches in L3, 13.4-13.9 against 6-7 ms. In the engine a decode step
- * of 16 requests at 300 tokens went from 80-81 to 72-75 ms, of 8 at 1,050 from 61-77 to 49-67. */
+ * them all at its start. About twice as fast as the generic loops (docs/performance.md). */
 #define VECTOR_DECODE 1
 
 /* softmax_rows in 8 lanes: the same max, e^(s - max) (exp_approx8) and sums */
@@ -315,9 +312,8 @@ INLINE void attend_heads(const uint16_t *q, const uint16_t *k_cache, const uint1
 }
 
 /* attend_heads with G a constant, and D too where it is 64 (the default model's, and common):
- * with D known, a layer's decode attention of 16 requests took 0.81-1.01x the time at 320
- * tokens each and 0.83-0.95x at 1,024 (2-core AMD EPYC, four runs alternating the builds).
- * Other head sizes share one copy per G, which keeps the build at seconds. */
+ * with D known the loops run faster (docs/performance.md). Other head sizes share one copy per
+ * G, which keeps the build at seconds. */
 __attribute__((noinline, noclone)) static void
 attend_heads_g(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
                const int64_t *table, int64_t len, int64_t block_size, int64_t row, int64_t h0,

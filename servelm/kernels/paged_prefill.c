@@ -1,9 +1,10 @@
-/* Prefill attention over the paged KV cache on AMX tiles: the n newest tokens of one sequence
- * attend, causally, to all ctx tokens of its context (the n among them), reading K in place.
+/* Prefill attention over the paged KV cache on AMX tiles (or, further down, in AVX2 vectors):
+ * the n newest tokens of one sequence attend, causally, to all ctx tokens of its context (the n
+ * among them), reading K in place.
  *
  * torch's SDPA needs the context gathered out of the blocks and, once part of it is cached, a
- * mask for the offset causal pattern; on this CPU it reaches ~0.4 TFLOP/s, where the tile
- * unit's large bf16 matmuls reach 1.1-2.2. Here, for each query head and tile of 16 query
+ * mask for the offset causal pattern, and reaches a fraction of what the tile unit's large bf16
+ * matmuls do (docs/performance.md). Here, for each query head and tile of 16 query
  * rows (in parallel), over the context in chunks of 32 keys, with q_i at position ctx - n + i:
  *
  *   S^T[key][i] = K[key] . q_i                         tile products, K read in place
@@ -302,7 +303,8 @@ static void attend_tile(const uint16_t *q, int64_t q_stride, const uint16_t *k_c
 #elif defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #define VECTOR_PREFILL 1
 
-/* Without tiles (an AVX2-only CPU), in float32 FMAs. The context's K and V are widened once per
+/* Without tiles (an AVX2-only CPU, or an AVX-512 one without AMX, which loads this file's avx2
+ * build: variants.prefill_fallback), in float32 FMAs. The context's K and V are widened once per
  * call into `scratch`: K^T in chunks of 8 keys (kt [Hkv][keys / 8][D][8], keys rounded up to 8,
  * zeros past ctx) and V as rows (vf [Hkv][keys][D]). Each task is one query head and 8 queries,
  * over the keys in chunks of 8, with q_i at position ctx - n + i:
@@ -315,9 +317,9 @@ static void attend_tile(const uint16_t *q, int64_t q_stride, const uint16_t *k_c
  *
  * With lanes = queries the softmax needs no horizontal reductions and no scalar exp (with lanes
  * = keys it cost more than either product). The softmax moves on KEY_GROUPS chunks (32 keys)
- * at a time: O is rescaled, loaded and stored once per 32 keys rather than per 8, which took
- * 0.90-0.93x the time at 256-1,108 tokens (AMD EPYC, 2 cores; 8 chunks no better than 4). P
- * stays in float32 (torch's flash attention rounds it to bf16); the output is rounded once. */
+ * at a time: O is rescaled, loaded and stored once per 32 keys rather than per 8, which is
+ * faster (docs/performance.md). P stays in float32 (torch's flash attention rounds it to
+ * bf16); the output is rounded once. */
 INLINE int64_t keys_padded(int64_t ctx) { return (ctx + 7) / 8 * 8; }
 
 /* 8 x 8 float32 transposed in place: r[j] lane i <- r[i] lane j */
@@ -364,7 +366,7 @@ static void widen_chunk(const uint16_t *k_cache, const uint16_t *v_cache, const 
     }
 }
 
-#define KEY_GROUPS 4 /* chunks of 8 keys per softmax update (8 was no faster: see above) */
+#define KEY_GROUPS 4 /* chunks of 8 keys per softmax update (8 was no faster) */
 
 /* Lanes (queries) that see key t: t < pos_i + 1, with past = pos + 1 */
 INLINE __m256 sees(__m256i past, int64_t t)
@@ -455,7 +457,7 @@ static void attend_queries(const uint16_t *q, int64_t q_stride, const float *kt,
                     for (int j = 0; j < 4; j++) {
                         __m256 vk = _mm256_loadu_ps(v + key * D + d + 8 * j);
                         /* in a register: GCC would fold the load into both FMAs, 10 loads
-                         * to 8 FMAs where 6 do (which took 1.05-1.10x the time) */
+                         * to 8 FMAs where 6 do, which is slower */
                         __asm__("" : "+x"(vk));
                         for (int r = 0; r < 2; r++)
                             acc[r][j] = _mm256_fmadd_ps(vk, pk[r], acc[r][j]);
@@ -488,7 +490,7 @@ int64_t paged_prefill_scratch_bytes(int64_t ctx, int64_t Hkv, int64_t D)
 }
 
 /* How this build runs the kernel: 1 on AMX tiles (where Linux lets this process use them), 2 in
- * AVX2 vectors (on CPUs without AVX-512), 0 not at all. */
+ * AVX2 vectors (a build without AVX-512), 0 not at all. */
 int64_t paged_prefill_available(void)
 {
 #ifdef HAVE_AMX

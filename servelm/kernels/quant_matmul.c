@@ -20,29 +20,25 @@
  * q8 layout, per block and group: 32 rows of 16 bytes, byte i of row j holding q[j] of the
  * block's row i; then the 16 scales. Each 16 bytes widen to 16 float32 lanes for one FMA.
  *
- * With AMX (Sapphire Rapids and later) and at least AMX_MIN_B rows of x, q4 goes to the tile
- * unit instead, as a bfloat16 GEMM: each thread unpacks a pair of W blocks into bfloat16 W
- * tiles (w = q * scale + low in float32, rounded to nearest even: exactly the bfloat16 weight
- * the loader makes from the file, since q * scale is exact in float32 and + low rounds once, as
- * the file's dequantization does) and runs the rows of x through them, 32 rows by 32 columns in
- * four accumulator tiles that sum over all of K. A weight is read from memory as 4 bits and
- * unpacked once per call (per MiB of x), not once per tile of rows, so this serves prompts as
- * well as decode batches. One layer's four matmuls of the default model against oneDNN's on a
- * bfloat16 copy, weights from memory (`benchmarks/quant_matmul.py`): 658 vs 1,267 us at 33
- * rows, 1,137 vs 1,621 at 108 (a prompt's new tokens after a cached prefix), 1,943 vs 2,354 at
- * 256, 6,877 vs 8,096 at 1,108; with both weights in cache they are about even. In the engine,
- * where the decode steps keep the 4-bit weights in cache, prompt steps of 64-1,024 tokens took
- * 20-40 % less than on the bf16 copy.
+ * With AMX (Sapphire Rapids and later), q4 goes to the tile unit instead (batch invariant, from
+ * one row of x; else from AMX_MIN_B), as a bfloat16 GEMM: each thread unpacks a pair of W
+ * blocks into bfloat16 W tiles (w = q * scale + low in float32, rounded to nearest even:
+ * exactly the bfloat16 weight the loader makes from the file, since q * scale is exact in
+ * float32 and + low rounds once, as the file's dequantization does) and runs the rows of x
+ * through them, 32 rows by 32 columns in four accumulator tiles that sum over all of K. A
+ * weight is read from memory as 4 bits and unpacked once per call (per MiB of x), not once per
+ * tile of rows, so this serves prompts as well as decode batches, faster than oneDNN on a
+ * bfloat16 copy where the weights come from memory (docs/performance.md).
  * Each call configures the tiles on every thread and releases them at the end, as torch's and
  * oneDNN's AMX kernels, which share the registers, expect.
  *
- * Products are exact, sums float32 (as torch's int4 kernel does it); y is rounded to bfloat16
- * once. With AVX2 alone (an AMD EPYC before Zen 4, say), 8-lane FMAs on quants unpacked to
- * float32 compute the same sums, in another order; with neither, plain C does. With AVX2 alone,
- * q4 by default quantizes x of 2 rows or more to int16 per group of 32 instead and multiplies
- * in integers: exact for every x within 2^7 of its group's largest, 1.3-1.8x faster (see
- * gemm_int below; int8, faster and lossy, is a choice). q8 does the same in int16 (the head's
- * 16-row decode step 1.2-1.6x faster).
+ * Products are exact, sums float32 (as torch's int4 kernel does it); q4's y is rounded to
+ * bfloat16 once, q8's (the logits) stays float32. With AVX2 alone (an AMD EPYC before Zen 4,
+ * say), 8-lane FMAs on quants unpacked to float32 compute the same sums, in another order; with
+ * neither, plain C does. With AVX2 alone, q4 by default quantizes x to int16 per group of 32
+ * instead (batch invariant, from one row; else from QX_MIN_B) and multiplies in integers: exact
+ * for every x within 2^7 of its group's largest, and faster (see gemm_int below; int8, faster
+ * and lossy, is a choice). q8 does the same in int16.
  */
 
 #include <stdlib.h>
@@ -58,18 +54,15 @@
 #endif
 #define MAX_B 16 /* rows of x a block function takes */
 /* Rows of x per pass over W. With AVX2 alone each pass unpacks every group's quants into
- * float32 again: in passes of 16 rather than 8, one layer's four matmuls of the default model,
- * weights from memory, took 0.85-0.92x the time at 12-24 rows, and the Q8_0 head 0.88-0.89x at
- * 12-16 (2-core AMD EPYC, alternating builds). AVX-512 keeps 8 (not measured there). */
+ * float32 again, so fewer, wider passes are faster (docs/performance.md). AVX-512 keeps 8 (not
+ * measured there). */
 #ifdef __AVX512F__
 #define PASS_B 8
 #else
 #define PASS_B 16
 #endif
-/* Rows of x from which the tile unit is faster, measured in whole decode steps of the default
- * model (in-process, alternating builds): 5 requests took 14.6-15.5 ms a step on the vector
- * path against 16.0-17.6 on tiles, 6 took 15.8-17.9 on tiles against 17.1-19.0 on the vector
- * path. */
+/* Rows of x from which the tile unit is faster than the vector path in whole decode steps
+ * (docs/performance.md); batch invariant, the tiles take every row count. */
 #define AMX_MIN_B 6
 
 /* sum_j x[b, 32g + j] for every row b and group g, from bfloat16 x [B, K] */
@@ -450,7 +443,7 @@ PASSES(Q8, float)
 
 /* Batch invariance (on unless the engine turns it off): every row of x is computed by the same
  * arithmetic whatever the number of rows in the call, so that a token's outputs do not depend
- * on what else its step holds (docs/performance.md, "Batch invariance"). Off, the kernel picks
+ * on what else its step holds (docs/architecture.md, "Batch invariance"). Off, the kernel picks
  * by row count: AMX tiles from AMX_MIN_B rows, integer x from QX_MIN_B, more FMA chains for a
  * row or two. */
 static int invariant = 1;
@@ -479,7 +472,7 @@ static void run(const pass_fn *passes, const uint16_t *x, const float *f, int64_
 #ifdef HAVE_AMX
 /* q4 on the tile unit, as a bfloat16 GEMM (see the top of the file). */
 #define PAIR_ROWS 16 /* a W tile: 16 rows of (input 2r, input 2r + 1) pairs, 16 columns */
-#define CHUNK_BYTES (1 << 20) /* of x per pass over W: it stays in L2 (2 MiB a core here) */
+#define CHUNK_BYTES (1 << 20) /* of x per pass over W: it stays in L2 (2 MiB a core with AMX) */
 
 /* One tile row: 16 bfloat16 pairs, columns 0-7 from lo and 8-15 from hi, whose lane 2i + e holds
  * q of column i's input of parity e; scale and low are duplicated into lanes the same way. */
@@ -683,15 +676,12 @@ INLINE float lanes_max8(__m256 x)
  * (4-7, 12-15) (int8, the order that unpacking leaves); scales and lows are loaded into that
  * order, and y is put back.
  *
- * One layer's four matmuls of the default model on 2 cores of an AMD EPYC, weights from memory:
- * at 256 rows 12.5 ms in int16 against 18.9 for torch's float32 matmul on a float32 copy (5.3
- * against 9.2 at 108 rows, 51 against 69 at 1,108); at 32 rows 1.26 ms in int16 and 0.91 in
- * int8 against 2.32 on the float32 path above. */
+ * Faster than the float32 FMA path above and than torch's float32 matmul on a float32 copy, at
+ * every row count from 2 (docs/performance.md). */
 #define QX_ROWS 4                 /* rows of x a tile takes */
-/* Rows of x from which q4 takes this path. One layer's four matmuls, weights from memory
- * (`benchmarks/quant_matmul.py`): at 1 row the float32 path, which unpacks each group straight
- * into its FMAs, took 185 us against 225 (int16) and 178 (int8); at 2 rows 258 against 197 and
- * 199, at 16 1,088 against 645 and 490. */
+/* Rows of x from which q4 takes this path where it is not batch invariant: at 1 row the float32
+ * path, which unpacks each group straight into its FMAs, is about as fast (docs/performance.md).
+ * Batch invariant, every row count takes it. */
 #define QX_MIN_B 2
 #define QX_CHUNK_BYTES (128 << 10) /* of quantized x per pass over W: it stays in L2 */
 
@@ -763,8 +753,7 @@ static void quantize_rows(const uint16_t *x, void *a, float *d, float *xs, int64
  * as int32 lanes in sums[r][0] (rows 0-7) and sums[r][1] (rows 8-15). Each byte of a chunk,
  * widened to 16 bits, holds a low and a high nibble, so an and and a shift give the quants.
  * (Unpacking the bytes against a register of zeros instead, in lanes of rows 0-3, 8-11 and
- * 4-7, 12-15, left GCC a register short at 4 rows: it spilled, and took 1.02-1.15x the time
- * at 16-1,024 rows, 0.94-1.06x at 8.) */
+ * 4-7, 12-15, left GCC a register short at 4 rows: it spilled, and was slower.) */
 INLINE void dots_int16(const int16_t *a, const uint8_t *wg, int64_t K, int64_t g, const int R,
                        __m256i sums[QX_ROWS][2])
 {

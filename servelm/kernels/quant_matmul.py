@@ -1,4 +1,4 @@
-"""Quantized weights times a few bfloat16 rows, in `quant_matmul.c`: a decode step's matmuls.
+"""Quantized weights times bfloat16 rows, in `quant_matmul.c`: the int4 projections and the head.
 
     kernel = QuantMatmul.load()                 # None: no C compiler here, use torch
     packed = kernel.pack_q4(q, scale, low)      # once, at load: q [N, K] in 0..15
@@ -74,8 +74,8 @@ class QuantMatmul:
 
     def use_activations(self, kind: str) -> None:
         """How q4 takes x, where this build has integer paths (see the C file): "int16" (the
-        default; exact but for x far below its group's largest), "int8" (1.2-1.4x faster again
-        at 8-32 rows, and about 0.7 % off), or "float32". q8 (the logits head) takes x as int16
+        default; exact but for x far below its group's largest), "int8" (faster again, and
+        about 0.7 % off), or "float32". q8 (the logits head) takes x as int16
         under either integer width, and in float32 under "float32". Elsewhere (AMX, AVX-512
         BF16, no AVX2) x stays as it is, whatever is asked. For the whole process, which loads
         the library once."""
@@ -142,7 +142,7 @@ class QuantMatmul:
         on 15 steps from its minimum to its maximum (low and step rounded to float16), and how
         far the farthest weight lies from its grid point, in steps (0 up to float rounding: the
         weight came from a Q4_1 file). None if a low or step is not finite in float16. One pass
-        in C, where the same steps as torch operations took 0.6 s for the default model."""
+        in C, faster than the same steps as torch operations (docs/performance.md)."""
         return self._quantize("q4", Q4_BYTES, weight)
 
     def quantize_q8(self, weight: torch.Tensor) -> tuple[torch.Tensor, float] | None:

@@ -9,8 +9,8 @@ is timed, since that is what the simulator's clock advances by. Shapes:
 
 A short untimed warm-up runs first. Then rounds: each round times every shape once (a decode
 shape: the fastest of four steps; a prefill shape: the faster of two, since the first step
-after a much larger one pays for the caches that one emptied: a 128-token prefill took 58-65
-ms right after a 1,024-token one and 44-50 ms after that), and each shape keeps its fastest
+after a much larger one pays for the caches that one emptied: docs/performance.md), and each
+shape keeps its fastest
 time over the rounds, since on a shared machine noise only ever adds time, and spreading a
 shape's samples over rounds keeps one burst of noise from spoiling all of them. Shapes
 alternate between a fitting set and a held-out set (interleaved in time, so machine noise hits
@@ -56,12 +56,12 @@ LISTED_POINTS = 40  # a profile file lists each timed step only up to this many
 
 # (kind, size, context): prefill size = prompt tokens; decode size = batch, context = prompt.
 # With several code paths each path gets fitted shapes of its own (4 at least, as a fit needs)
-# and held-out ones inside their range. Where the default model's decode stack takes every
-# decode step (a CPU with AMX tiles, or one without oneDNN's bf16 matmul), the other path's fit
-# rests on the prefills; on an AVX2-only CPU with x in float32 (`--int4-activations float32`)
-# the prefills of >= 192 tokens (`wide_step_min_tokens`: float32 matmuls) have a path of their
-# own, and the four shorter ones are the other path's. Where the stack takes decodes of up to 16 requests, those of 32-48
-# join the prefills.
+# and held-out ones inside their range. Where the decode stack takes every decode step (batch
+# invariant, the default: every CPU), the other path's fit rests on the prefills. With paths by
+# row count (`--no-batch-invariant`): on an AVX2-only CPU with x in float32 the prefills of >= 192
+# tokens (`wide_step_min_tokens`: float32 matmuls) have a path of their own, and the four shorter
+# ones are the other path's; where the stack takes decodes of up to 16 requests (AVX-512 without
+# AMX), those of 32-48 join the prefills.
 FIT_SHAPES = [
     ("prefill", 64, 0),
     ("decode", 1, 128),
@@ -191,8 +191,7 @@ def calibrate(
     this machine, OpenMP threads waiting for each other included. `clock="cpu"` uses the
     process's CPU time divided by torch's thread count, which leaves out time other jobs hold
     the cores on a shared machine, but also the time torch's threads sleep between parallel
-    regions, so it undercounts multi-threaded steps (on 2 cores here the simulated TPOT came
-    out 28% lower than with a wall-clock calibration).
+    regions, so it undercounts multi-threaded steps (docs/performance.md).
     """
     import torch
 

@@ -32,10 +32,9 @@ from servelm.sim.roofline import DeviceProfile, ModelCost, gpu_profile
 POLICIES = ("round-robin", "least-loaded")
 # Host (CPU) time per scheduled request per step on a GPU deployment: scheduling, input
 # preparation, sampling and output handling grow with the batch, while the roofline's
-# `step_overhead_s` is a flat 2 ms. An assumption, not a measurement of a GPU host: servelm's
-# scheduler alone spends ~2.5 us per request-step on a 2-core Xeon and its (unvectorised) input
-# building far more; 20 us is what a tuned Python engine plausibly sustains. With it a
-# 256-request decode step carries ~5 ms of host time. Override with `per_request_s`.
+# `step_overhead_s` is a flat 2 ms. An assumption, not a measurement of a GPU host: 20 us is
+# what a tuned Python engine plausibly sustains (servelm's own figures: docs/performance.md).
+# With it a 256-request decode step carries ~5 ms of host time. Override with `per_request_s`.
 GPU_PER_REQUEST_S = 20e-6
 CPU_KV_CACHE_GB = 2**30 / 1e9  # the engine's CPU default: 1 GiB
 GPU_MAX_NUM_SEQS = 256  # vLLM's default on most data-centre GPUs

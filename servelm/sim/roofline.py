@@ -42,15 +42,17 @@ prices all FLOPs at one rate). `per_request_s` is host work that
 grows with the batch (per-sequence input building, attention set-up, sampling); it is 0 for the
 GPU profiles (a few microseconds there) and fitted for a CPU by `servelm.sim.calibrate`.
 
-Two cost curves on one device: servelm's CPU engine runs a step in which every request decodes
-one token, up to `decode_stack_max_tokens` of them, through its decode stack (all layers in one
-C call, `worker/decode_stack.py`), and every other step through the Python layers. A profile
-fitted to such an engine carries a second profile, `decode_stack`, that prices those steps;
-`profile_for_step` picks. The GPU profiles have none.
+Two cost curves on one device: a step in which every request decodes one token, up to
+`decode_stack_max_tokens` of them, is priced as servelm's CPU engine runs it through its decode
+stack (all layers in one C call, `worker/decode_stack.py`), every other step on the other curve
+(fitted to those steps, though the engine runs prompt steps in that C call too where it has the
+C prefill attention). A profile fitted to such an engine carries a second profile,
+`decode_stack`, that prices those steps; `profile_for_step` picks. The GPU profiles have none.
 
-A third curve: on a CPU without AMX tiles or oneDNN's bf16 matmul (an AVX2-only AMD EPYC), steps
-of at least `wide_step_min_tokens` tokens run their int4 matmuls through float32 copies of the
-weights, dequantized for the step, and torch's float32 matmul (`QuantMatmul.sgemm_min_rows`):
+A third curve: on an AVX2-only CPU (an AMD EPYC before Zen 4) with x in float32 and paths by row
+count (`--int4-activations float32 --no-batch-invariant`), steps of at least
+`wide_step_min_tokens` tokens run their int4 matmuls through float32 copies of the weights,
+dequantized for the step, and torch's float32 matmul (`QuantMatmul.sgemm_min_rows`):
 a fixed cost per step at a higher FLOP rate than the C kernels that take smaller steps. Such a
 profile carries `wide_step`, which prices those steps. `step_path` decides, for the fit too.
 """

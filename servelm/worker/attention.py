@@ -9,10 +9,11 @@ slot is `block_id * block_size + offset`. A request's block table lists its bloc
 Decode requests (one query token each) are attended together: on the CPU by servelm's C kernel
 (`kernels/paged_decode.c`), which reads K/V in place through the block table; elsewhere in one
 padded SDPA batch whose K/V is gathered a whole block at a time (one contiguous copy per block,
-not one per token). Prefill chunks run one request at a time: on a CPU with AMX tiles through
-`kernels/paged_prefill.c`, which reads K in place too and needs no mask; elsewhere through SDPA
-with a causal mask offset by the tokens already cached. The slot indices are built once per
-step (`AttentionMetadata`) and shared by every layer.
+not one per token). Prefill chunks run one request at a time: on a CPU with AMX tiles or AVX2
+through `kernels/paged_prefill.c`, which reads the cache in place too and needs no mask;
+elsewhere through SDPA with a causal mask offset by the tokens already cached. Batch invariant
+(`invariant`) with that kernel, a decode token is a prompt chunk of one instead. The slot
+indices are built once per step (`AttentionMetadata`) and shared by every layer.
 
 The last layer needs attention only for the rows the step samples from: a prompt chunk's last
 token, none of a chunk that does not finish its prompt. `kept_rows` names them (every decode

@@ -5,14 +5,15 @@
 
 It takes steps of at most `max_rows` tokens (those whose matmuls read the int4 weights in C:
 `StepPaths.stack_max_rows`, every step where it is batch invariant): decode steps and, where
-the C prefill attention runs (AMX, or AVX2), prompt and mixed steps too, and returns what `model(input_ids, positions, attn)` returns for
-them, bit for bit: the C loop calls the very kernels the Python layers call, in the same order,
-and only leaves out the Python between them (which cost as much as the kernels at one token
-per request: docs/performance.md). Embedding, rotary lookup, logits and sampling stay in Python. The attention metadata is the
-step's `attn.meta`, planned as usual; the loop attends it part by part (`_Part`): each run of
-consecutive decode rows in one call of the decode kernel (batch invariant: each decode row
-in a call of the prefill kernel, as a prompt chunk of one), each request's prompt chunk in
-one call of the prefill kernel. The name stays from when it took decode steps only.
+the C prefill attention runs (AMX tiles, or AVX2), prompt and mixed steps too. It returns what
+`model(input_ids, positions, attn)` returns for them, bit for bit: the C loop calls the very
+kernels the Python layers call, in the same order, and only leaves out the Python between them
+(which cost as much as the kernels at one token per request: docs/performance.md). Embedding,
+rotary lookup, logits and sampling stay in Python. The attention metadata is the step's
+`attn.meta`, planned as usual; the loop attends it part by part (`_Part`): each run of
+consecutive decode rows in one call of the decode kernel (batch invariant: each decode row in a
+call of the prefill kernel, as a prompt chunk of one), each request's prompt chunk in one call
+of the prefill kernel. The name stays from when it took decode steps only.
 """
 
 from __future__ import annotations

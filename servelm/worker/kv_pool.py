@@ -2,21 +2,19 @@
 
 On a GPU that is `torch.zeros`. On the CPU it is an anonymous mapping, and what matters is when
 its pages get mapped. A page left to be mapped on its first write costs a fault inside the
-engine's threaded ops (a fresh server's cached 1,100-token prefill spent 8 ms of its 63 ms step
-faulting in the pages its K/V went to). Mapping them all before serving (`MAP_POPULATE`) costs
-0.25 s per GiB on one VM and 0.55-0.8 s on another, on every start; that one (a Firecracker VM)
-serializes page faults, so no second thread or process could map them faster (two processes
-mapping 1 GiB each at once took 1.0-1.7 s each, against 0.6 s alone).
+engine's threaded ops; mapping them all before serving (`MAP_POPULATE`) costs a noticeable part
+of every start, and on a VM that serializes page faults no second thread or process maps them
+faster (docs/performance.md).
 
 So the pages are mapped by a background thread while the engine is idle: the model runner
 holds it while a step runs (`held`), and it runs at the lowest priority (nice 19), so it yields
 to the API process too. It asks the kernel to map them with `madvise(MADV_POPULATE_WRITE)`
 (Linux 5.14 and later), which leaves the data as it is, so a page the engine wrote first keeps
 what it wrote, and it goes in the order the scheduler first hands blocks out (block 0 first, in
-every layer's K and V), 16 pages at a time (about 40 us at this VM's 2.3 us a page). A burst
-that starts before it is done faults in the pages its own blocks need (a 16-token block's K and
-V over 30 layers are 90 pages: about 0.2 ms). Where that call is missing (another OS, an older
-kernel) the pages are mapped before the pool is returned, as before.
+every layer's K and V), 16 pages at a time (tens of microseconds). A burst that starts before
+it is done faults in the pages its own blocks need (a 16-token block's K and V over 30 layers
+are 90 pages). Where that call is missing (another OS, an older kernel) the pages are mapped
+before the pool is returned, as before.
 """
 
 from __future__ import annotations
@@ -82,7 +80,7 @@ class PageFiller:
     @contextlib.contextmanager
     def held(self):
         """No pages are mapped in the background inside this block (nor for IDLE_S after),
-        but for one call of 16 pages (about 40 us) that may have begun before it."""
+        but for one call of 16 pages (tens of microseconds) that may have begun before it."""
         self._steps += 1
         try:
             yield

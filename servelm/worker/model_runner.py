@@ -153,7 +153,8 @@ class ModelRunner:
 
     @property
     def decode_stack_max_tokens(self) -> int:
-        """Decode-only steps of up to this many tokens run on the decode stack (0: none do)."""
+        """Steps of up to this many tokens run on the decode stack: decode-only ones, or every
+        kind where it takes prompts (0: none do)."""
         return self.decode_stack.max_rows if self.decode_stack is not None else 0
 
     @property
@@ -232,8 +233,8 @@ class ModelRunner:
     def warm_up(self, max_num_batched_tokens: int) -> None:
         """Pays a first step's one-off costs before the first request does: thread pools and
         library set-up, and on a GPU also kernel selection and the allocator's pools for a
-        full step. On the CPU one token does it: a 256-token step right after it ran as fast
-        as the next one, and a 256-token warm-up added 0.6-0.8 s to start-up (session 15)."""
+        full step. On the CPU one token does it: a larger warm-up only lengthens start-up
+        (docs/performance.md)."""
         if self.device.type != "cpu":
             self._dummy_forward(min(max_num_batched_tokens, 256))
         self._dummy_forward(1)

@@ -3,22 +3,22 @@
 On a CPU with bf16 weights, `F.linear` re-lays-out the weight for oneDNN on every call; a decode
 step (one token per request) is nothing but reading weights, so that per-call work dominates.
 `pack_for_cpu` reorders each weight once into oneDNN's blocked layout (the same thing
-torch.compile's CPU freezing pass does) and the forward then calls the packed kernel. The
-result is bit-identical to `F.linear`; on the default model it makes a decode step's matmuls
-about 1.2-1.4x faster. On CUDA, or in float32, nothing is packed; nor on a CPU whose oneDNN
-has no bf16 matmul (AVX2 only, such as an AMD EPYC before Zen 4), where torch's bf16 matmul is
-a slow fallback and inputs of 8 rows or more are multiplied in float32 instead.
+torch.compile's CPU freezing pass does) and the forward then calls the packed kernel: the result
+is bit-identical to `F.linear`, and faster (docs/performance.md). On CUDA, or in float32,
+nothing is packed; nor on a CPU whose oneDNN has no bf16 matmul (AVX2 only, such as an AMD EPYC
+before Zen 4), where torch's bf16 matmul is a slow fallback and inputs of 8 rows or more are
+multiplied in float32 instead.
 
-A `Linear` may also carry its weight as 4-bit integers (`Int4Weight`), for decode-sized inputs:
-a decode step reads every weight once, and 4-bit weights are a quarter of the bytes. The
-default model comes from a Q4_1 GGUF, whose weights are 4-bit already, so for it this is exact;
-its logits head is Q8_0 in the file, and `Q8Weight` serves decode-sized inputs from those int8
-values. Both are multiplied by servelm's C kernel (`kernels/quant_matmul.c`) where it is built,
-else (int4 only) by torch's CPU int4 kernel. On a CPU with AMX tiles the C kernel serves prompts
-as well, multiplying by exactly the bf16 weight the 4-bit one stands for, and the layer then
-keeps no bf16 copy; so it does on a CPU without oneDNN's bf16 matmul, on its AVX2 path (with
-the inputs quantized to int16 per group of 32, exact but for inputs 2^7 below their group's
-largest; see `QuantMatmul.use_activations`).
+A `Linear` may also carry its weight as 4-bit integers (`Int4Weight`): a decode step reads every
+weight once, and 4-bit weights are a quarter of the bytes. The default model comes from a Q4_1
+GGUF, whose weights are 4-bit already, so for it this is exact; its logits head is Q8_0 in the
+file, and `Q8Weight` serves from those int8 values. Both are multiplied by servelm's C kernel
+(`kernels/quant_matmul.c`) where it is built, else (int4 only, decode-sized inputs) by torch's
+CPU int4 kernel. The C kernel multiplies by exactly the bf16 weight the 4-bit one stands for
+(up to the inputs' int16 rounding on an AVX2 path: `QuantMatmul.use_activations`). Batch
+invariant (the default) it serves every input, and the layer keeps no bf16 copy; with paths by
+row count it still does on a CPU with AMX tiles or without oneDNN's bf16 matmul
+(`kernels/paths.py`).
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ class Q8Weight:
 
 class Linear(nn.Linear):
     """`nn.Linear` plus optional faster forms of the weight: a packed copy, which replaces
-    the plain weight once made, and an int4 copy for decode-sized inputs."""
+    the plain weight once made, and an int4 copy for inputs of up to `int4.max_rows` rows."""
 
     packed: torch.Tensor | None = None
     int4: Int4Weight | None = None
