@@ -65,23 +65,48 @@ INLINE __m512i pair_up(void)
                             6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
 }
 
+/* 16 rows of 16 32-bit words, transposed in registers: r[j] word i <- r[i] word j. Unpacks
+ * transpose the 4 x 4 blocks within each 128-bit lane, then two rounds of lane shuffles move
+ * the blocks (16 gathers of one word per row did the same, about half of a decode's time in
+ * this kernel). */
+INLINE void transpose16(__m512i r[16])
+{
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 4; j++) {
+            t[8 * i + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + j + 4], 0x88);
+            t[8 * i + j + 4] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + j + 4], 0xdd);
+        }
+    for (int j = 0; j < 8; j++) {
+        r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+        r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+    }
+}
+
 /* V^T of chunk c of KV head h: for each slab of 16 dims, 16 rows (dims) of 32 keys. Pairs of
- * keys are interleaved first (each 32-bit word then holds one dim of both), then each row of
- * V^T is one gather of a dim's words across the 16 pairs. */
+ * keys are interleaved first (each 32-bit word then holds one dim of both), then the 16 x 16
+ * words of the slab are transposed: row d holds dim d of the 16 pairs. */
 static void pack_vt(const uint16_t *v_cache, const int64_t *blocks, int64_t block_size,
                     int64_t ctx, int64_t Hkv, int64_t D, int64_t h, int64_t c, uint16_t *dst)
 {
     const __m512i pairs = pair_up();
-    const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7,
-                                                               6, 5, 4, 3, 2, 1, 0),
-                                              _mm512_set1_epi32(16));
     const uint16_t *rows[KC];
     for (int64_t k = 0; k < KC; k++) {
         const int64_t t = c * KC + k;
         rows[k] = t < ctx ? v_cache + (slot_of(blocks, block_size, t) * Hkv + h) * D : NULL;
     }
-    __attribute__((aligned(64))) uint32_t words[16 * 16]; /* [pair][dim of the slab] */
     for (int64_t j = 0; j < D / 16; j++) {
+        __m512i words[16]; /* [pair][dim of the slab], then [dim][pair] */
         for (int r = 0; r < 16; r++) {
             const uint16_t *a = rows[2 * r], *b = rows[2 * r + 1];
             const __m256i va = a ? _mm256_loadu_si256((const __m256i *)(a + 16 * j))
@@ -89,13 +114,11 @@ static void pack_vt(const uint16_t *v_cache, const int64_t *blocks, int64_t bloc
             const __m256i vb = b ? _mm256_loadu_si256((const __m256i *)(b + 16 * j))
                                  : _mm256_setzero_si256();
             const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(va), vb, 1);
-            _mm512_store_si512(words + 16 * r, _mm512_permutexvar_epi16(pairs, ab));
+            words[r] = _mm512_permutexvar_epi16(pairs, ab);
         }
+        transpose16(words);
         for (int d = 0; d < 16; d++)
-            _mm512_store_si512(dst + j * 16 * KC + d * KC,
-                               _mm512_i32gather_epi32(_mm512_add_epi32(column,
-                                                                       _mm512_set1_epi32(d)),
-                                                      words, 4));
+            _mm512_store_si512(dst + j * 16 * KC + d * KC, words[d]);
     }
 }
 
