@@ -30,6 +30,10 @@ if TYPE_CHECKING:
 ALL_ROWS = sys.maxsize  # a path that serves every input
 NEVER = 0  # a "from this many rows" that is never reached
 
+# AMX tiles take q4 from this many rows (the vector path is faster below), and integer x from
+# this many (the float32 path is as fast at one row); passed to the C kernel when it loads.
+AMX_MIN_ROWS = 6
+INT_X_MIN_ROWS = 2
 # torch's CPU int4 kernel (no C kernel): it unpacks every weight for each block of rows, so it
 # wins only where reading the weight is the whole cost.
 TORCH_INT4_MAX_ROWS = 8

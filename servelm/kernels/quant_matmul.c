@@ -21,7 +21,7 @@
  * block's row i; then the 16 scales. Each 16 bytes widen to 16 float32 lanes for one FMA.
  *
  * With AMX (Sapphire Rapids and later), q4 goes to the tile unit instead (batch invariant, from
- * one row of x; else from AMX_MIN_B), as a bfloat16 GEMM: each thread unpacks a pair of W
+ * one row of x; else from amx_min_b), as a bfloat16 GEMM: each thread unpacks a pair of W
  * blocks into bfloat16 W tiles (w = q * scale + low in float32, rounded to nearest even:
  * exactly the bfloat16 weight the loader makes from the file, since q * scale is exact in
  * float32 and + low rounds once, as the file's dequantization does) and runs the rows of x
@@ -36,7 +36,7 @@
  * bfloat16 once, q8's (the logits) stays float32. With AVX2 alone (an AMD EPYC before Zen 4,
  * say), 8-lane FMAs on quants unpacked to float32 compute the same sums, in another order; with
  * neither, plain C does. With AVX2 alone, q4 by default quantizes x to int16 per group of 32
- * instead (batch invariant, from one row; else from QX_MIN_B) and multiplies in integers: exact
+ * instead (batch invariant, from one row; else from qx_min_b) and multiplies in integers: exact
  * for every x within 2^7 of its group's largest, and faster (see gemm_int below; int8, faster
  * and lossy, is a choice). q8 does the same in int16.
  */
@@ -62,8 +62,13 @@
 #define PASS_B 16
 #endif
 /* Rows of x from which the tile unit is faster than the vector path in whole decode steps
- * (docs/performance.md); batch invariant, the tiles take every row count. */
-#define AMX_MIN_B 6
+ * (docs/performance.md); batch invariant, the tiles take every row count. The engine sets it
+ * from kernels/paths.py, the one table of row cut-offs (q4_row_cutoffs). */
+static int64_t amx_min_b = 6;
+/* Rows of x from which q4 takes x in integers (gemm_int) where it is not batch invariant: at 1
+ * row the float32 path, which unpacks each group straight into its FMAs, is about as fast
+ * (docs/performance.md). Batch invariant, every row count takes it. Set as amx_min_b is. */
+static int64_t qx_min_b = 2;
 
 /* sum_j x[b, 32g + j] for every row b and group g, from bfloat16 x [B, K] */
 static void group_sums(const uint16_t *x, float *xs, int64_t B, int64_t K)
@@ -444,9 +449,19 @@ PASSES(Q8, float)
 /* Batch invariance (on unless the engine turns it off): every row of x is computed by the same
  * arithmetic whatever the number of rows in the call, so that a token's outputs do not depend
  * on what else its step holds (docs/architecture.md, "Batch invariance"). Off, the kernel picks
- * by row count: AMX tiles from AMX_MIN_B rows, integer x from QX_MIN_B, more FMA chains for a
+ * by row count: AMX tiles from amx_min_b rows, integer x from qx_min_b, more FMA chains for a
  * row or two. */
 static int invariant = 1;
+
+/* The row counts from which q4 takes the tiles and integer x where it is not batch invariant
+ * (kernels/paths.py); a value below 1 leaves that one as it is. For the whole process. */
+void q4_row_cutoffs(int64_t tiles, int64_t integers)
+{
+    if (tiles >= 1)
+        amx_min_b = tiles;
+    if (integers >= 1)
+        qx_min_b = integers;
+}
 
 /* Sets it (0 or 1), or with -1 only asks; returns the setting now in force. For the whole
  * process, as q4_activation_bits. */
@@ -679,10 +694,6 @@ INLINE float lanes_max8(__m256 x)
  * Faster than the float32 FMA path above and than torch's float32 matmul on a float32 copy, at
  * every row count from 2 (docs/performance.md). */
 #define QX_ROWS 4                 /* rows of x a tile takes */
-/* Rows of x from which q4 takes this path where it is not batch invariant: at 1 row the float32
- * path, which unpacks each group straight into its FMAs, is about as fast (docs/performance.md).
- * Batch invariant, every row count takes it. */
-#define QX_MIN_B 2
 #define QX_CHUNK_BYTES (128 << 10) /* of quantized x per pass over W: it stays in L2 */
 
 /* 32 bfloat16 at x -> 4 x 8 float32 lanes; returns their largest |x| and stores their sum */
@@ -985,7 +996,7 @@ void q4_dequantize_f32(const uint8_t *w, float *out, int64_t N, int64_t K)
 int64_t q4_tile_min_rows(void)
 {
 #ifdef HAVE_AMX
-    return amx_granted() ? (invariant ? 1 : AMX_MIN_B) : 0;
+    return amx_granted() ? (invariant ? 1 : amx_min_b) : 0;
 #else
     return 0;
 #endif
@@ -1013,13 +1024,13 @@ void q4_matmul_bf16(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t B,
                     int64_t K)
 {
 #ifdef HAVE_AMX
-    if (B >= (invariant ? 1 : AMX_MIN_B) && amx_granted()) {
+    if (B >= (invariant ? 1 : amx_min_b) && amx_granted()) {
         q4_gemm_amx(x, w, y, B, N, K);
         return;
     }
 #endif
 #if Q4_INT8
-    if (q4_x_bits && B >= (invariant ? 1 : QX_MIN_B)) {
+    if (q4_x_bits && B >= (invariant ? 1 : qx_min_b)) {
         gemm_int(x, w, y, B, N, K, q4_x_bits, 0);
         return;
     }
@@ -1039,7 +1050,7 @@ void q8_matmul_bf16(const uint16_t *x, const uint8_t *w, float *y, int64_t B, in
                     int64_t K)
 {
 #if Q4_INT8
-    if (q4_x_bits && B >= (invariant ? 1 : QX_MIN_B)) { /* x as int16, whichever width q4 takes */
+    if (q4_x_bits && B >= (invariant ? 1 : qx_min_b)) { /* x as int16, whichever width q4 takes */
         gemm_int(x, w, y, B, N, K, 16, 1);
         return;
     }

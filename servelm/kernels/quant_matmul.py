@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from servelm.kernels.build import load_library
-from servelm.kernels.paths import sgemm_min_rows
+from servelm.kernels.paths import AMX_MIN_ROWS, INT_X_MIN_ROWS, sgemm_min_rows
 
 SOURCE = Path(__file__).with_name("quant_matmul.c")
 GROUP = 32  # weights along a row that share a scale
@@ -55,6 +55,8 @@ class QuantMatmul:
             fn = getattr(lib, f"{kind}_matmul_bf16")
             fn.argtypes, fn.restype = [_ptr, _ptr, _ptr, _i64, _i64, _i64], None
             self.fns[kind] = fn
+        lib.q4_row_cutoffs.argtypes, lib.q4_row_cutoffs.restype = [_i64, _i64], None
+        lib.q4_row_cutoffs(AMX_MIN_ROWS, INT_X_MIN_ROWS)  # by row count (paths.py)
         self._tile_min_rows = lib.q4_tile_min_rows
         self._tile_min_rows.restype = ctypes.c_int64
         self._invariant = lib.q4_batch_invariant

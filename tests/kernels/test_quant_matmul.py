@@ -14,6 +14,7 @@ import torch
 from servelm.kernels.build import compiler
 from servelm.kernels.paths import (
     ALL_ROWS,
+    AMX_MIN_ROWS,
     C_INT4_VECTOR_MAX_ROWS,
     HEAD_Q8_MAX_ROWS,
     TORCH_INT4_MAX_ROWS,
@@ -451,12 +452,12 @@ def test_tile_registers_are_shared_with_torchs_amx_kernels(kernel):
 
 
 def test_it_says_whether_it_uses_tiles(kernel, variant):
-    # batch invariant, every row on the tiles; by row count from 6 rows, where the tile unit is
-    # faster in whole decode steps (quant_matmul.c)
+    # batch invariant, every row on the tiles; by row count from the table's cut-off, where the
+    # tile unit is faster in whole decode steps (kernels/paths.py)
     assert kernel.tile_min_rows == (1 if variant in TILES else 0)
     kernel.batch_invariant(False)
     try:
-        assert kernel.tile_min_rows == (6 if variant in TILES else 0)
+        assert kernel.tile_min_rows == (AMX_MIN_ROWS if variant in TILES else 0)
     finally:
         kernel.batch_invariant(True)
 
