@@ -42,8 +42,10 @@ class LiveServer:
         startup_timeout: float = 120.0,
         env: dict[str, str] | None = None,
         wait: bool = True,
+        new_session: bool = False,
     ) -> None:
-        """Starts the server; with `wait`, returns once /health answers 200."""
+        """Starts the server; with `wait`, returns once /health answers 200. `new_session`: in
+        a process group of its own (its pid is the group's id), for tests that signal the group."""
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"servelm-test-{self.port}.log"
@@ -59,7 +61,11 @@ class LiveServer:
             *args,
         ]
         self.proc = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+            cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=new_session,
         )
         if not wait:
             return

@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import signal
 import time
 
 import zmq
@@ -42,6 +43,21 @@ def bound_openmp_spin() -> None:
         os.environ["GOMP_SPINCOUNT"] = str(OPENMP_SPIN_COUNT)
 
 
+def hold_group_signals(api_pid: int) -> None:
+    """Ctrl-C in a terminal, `kill -TERM -PGID` and systemd's control-group kill signal every
+    process of the server, this one too. The API process answers them by draining its in-flight
+    requests and then stopping this process; dying here at once would cut those requests. So
+    SIGINT is ignored, and SIGTERM too while the API process lives (once it is gone, SIGTERM
+    ends this process as usual)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def on_sigterm(signum, frame) -> None:
+        if os.getppid() != api_pid:
+            raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
 def run_engine_core(
     args: EngineArgs,
     input_addr: str,
@@ -54,6 +70,7 @@ def run_engine_core(
     not read here: a parent killed before this process read it (loading the model, or in the
     moment after "ready") would leave init's pid as the "parent", and the engine running for
     good."""
+    hold_group_signals(api_pid)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ctx = zmq.Context()
     inputs = ctx.socket(zmq.PULL)

@@ -53,11 +53,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, except that SIGTERM / Ctrl-C only start a graceful shutdown.
+    """uvicorn's server, except that SIGTERM / Ctrl-C only start a graceful shutdown, and a
+    second one (of either) during it stops at once.
 
     uvicorn re-raises the signal once serving ends, which would kill this process before it
     stops the engine process and before it can exit 0.
     """
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self.should_exit:  # already draining: a second signal means now
+            logger.warning("second signal: stopping without waiting for in-flight requests")
+            self.force_exit = True
+        self.should_exit = True
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -101,6 +108,9 @@ async def serve(args: argparse.Namespace) -> int:
         logger.error("%s", exc)
         await engine.shutdown()
         return 1
+    except BaseException:  # Ctrl-C while the model loads: the engine ignores it, so stop it
+        await engine.shutdown()
+        raise
     name = engine_args.served_model_name or model_dir.name
     metrics = ServerMetrics(name, ready.block_size, ready.num_blocks)
     engine.stats_listeners.append(metrics.on_stats)

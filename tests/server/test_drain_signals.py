@@ -1,0 +1,135 @@
+"""A signal drains in-flight requests, however it is sent (issue #32).
+
+Ctrl-C, SIGTERM to the server's pid, and SIGTERM or SIGINT to its whole process group (a
+terminal, `kill -TERM -PGID`, systemd's control-group kill, which reach the engine process too)
+each let four streams in flight finish with their finish_reason, refuse new connections, and
+end with exit 0, no traceback and no process of the server left. A second signal during the
+drain stops at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.live_server import LiveServer
+
+STREAMS = 4
+
+
+def stream(url: str, max_tokens: int, started: threading.Event, result: dict) -> None:
+    """One streamed completion; `result` gets its finish_reason (None: cut) and its tokens
+    (from the usage chunk)."""
+    body = {
+        "model": "default",
+        "prompt": "Once upon a time",
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    result["finish_reason"], result["chunks"] = None, 0
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as reply:
+            for line in reply.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    result["tokens"] = chunk["usage"]["completion_tokens"]
+                for choice in chunk["choices"]:
+                    result["chunks"] += 1
+                    started.set()
+                    result["finish_reason"] = choice.get("finish_reason") or result["finish_reason"]
+    except httpx.HTTPError as exc:
+        result["error"] = repr(exc)
+
+
+def start_streams(server: LiveServer, max_tokens: int) -> tuple[list[threading.Thread], list]:
+    results, threads = [], []
+    for _ in range(STREAMS):
+        started, result = threading.Event(), {}
+        t = threading.Thread(target=stream, args=(server.url, max_tokens, started, result))
+        t.start()
+        assert started.wait(60), "no token arrived"
+        threads.append(t)
+        results.append(result)
+    return threads, results
+
+
+def group_gone(pgid: int, timeout: float = 10) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize(
+    "sig,group",
+    [
+        (signal.SIGTERM, False),
+        (signal.SIGINT, False),
+        (signal.SIGTERM, True),
+        (signal.SIGINT, True),
+    ],
+    ids=["sigterm-pid", "ctrl-c-pid", "sigterm-group", "ctrl-c-group"],
+)
+def test_a_signal_drains_the_streams_and_exits_zero(default_model_dir, sig, group):
+    server = LiveServer(
+        default_model_dir,
+        "--served-model-name",
+        "default",
+        "--shutdown-timeout",
+        "60",
+        new_session=True,
+    )
+    try:
+        threads, results = start_streams(server, max_tokens=160)
+        (os.killpg if group else os.kill)(server.proc.pid, sig)
+        time.sleep(0.5)
+        with pytest.raises(httpx.HTTPError):  # no new connections while draining
+            httpx.get(server.url + "/health", timeout=5)
+        for t in threads:
+            t.join(90)
+        assert server.proc.wait(60) == 0
+        assert [r["finish_reason"] for r in results] == ["length"] * STREAMS, results
+        assert all(r.get("tokens") == 160 for r in results), results
+        assert "Traceback" not in server.log(), server.log()
+        assert group_gone(server.proc.pid), "a process of the server was left behind"
+    finally:
+        server.stop(signal.SIGKILL)
+
+
+def test_a_second_signal_stops_at_once(default_model_dir):
+    server = LiveServer(
+        default_model_dir,
+        "--served-model-name",
+        "default",
+        "--shutdown-timeout",
+        "120",
+        new_session=True,
+    )
+    try:
+        threads, results = start_streams(server, max_tokens=4000)  # minutes of decoding
+        os.killpg(server.proc.pid, signal.SIGTERM)
+        time.sleep(1)
+        t0 = time.time()
+        os.killpg(server.proc.pid, signal.SIGTERM)
+        assert server.proc.wait(30) == 0
+        assert time.time() - t0 < 15
+        for t in threads:
+            t.join(30)
+        assert all(r["finish_reason"] is None for r in results), results  # cut, not finished
+        assert group_gone(server.proc.pid), "a process of the server was left behind"
+    finally:
+        server.stop(signal.SIGKILL)
