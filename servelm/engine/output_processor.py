@@ -27,6 +27,8 @@ class TextDelta:
     num_cached_tokens: int = 0
     queued_time: float | None = None
     error: str | None = None
+    # chat with tools: the OpenAI `delta.tool_calls` entries the API process read from the text
+    tool_calls: list[dict] | None = None
 
     @property
     def finished(self) -> bool:

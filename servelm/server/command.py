@@ -17,6 +17,7 @@ import time
 import uvicorn
 
 from servelm.config import EngineArgs, port_number
+from servelm.text.tool_parsers import PARSERS
 
 logger = logging.getLogger("servelm")
 
@@ -48,6 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=2.0,
         help="seconds to keep answering 503 after the engine dies, then exit 1",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        choices=PARSERS,
+        default=None,
+        help="how the model writes tool calls (default: from its chat template; hermes)",
     )
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
@@ -115,7 +122,14 @@ async def serve(args: argparse.Namespace) -> int:
     metrics = ServerMetrics(name, ready.block_size, ready.num_blocks)
     engine.stats_listeners.append(metrics.on_stats)
     max_len = min(ready.max_model_len, ready.num_blocks * ready.block_size)
-    state = ServerState(engine, metrics, name, max_len, args.max_queued_requests)
+    state = ServerState(
+        engine,
+        metrics,
+        name,
+        max_len,
+        args.max_queued_requests,
+        tool_call_parser=getattr(args, "tool_call_parser", None),
+    )
     app = build_app(state, args.api_key)
     config = uvicorn.Config(
         app,

@@ -122,9 +122,11 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # tool calling (server/serving_tools.py)
     tools: list[dict[str, Any]] | None = None
-    # accepted so that what servelm cannot honour is refused by name (serving_chat)
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    # accepted so that what servelm cannot honour is refused by name (serving_chat)
     response_format: dict[str, Any] | None = None
 
 

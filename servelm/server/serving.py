@@ -39,6 +39,7 @@ class ServerState:
     max_model_len: int  # what one sequence may use: min(context, KV capacity)
     max_queued_requests: int
     awaiting_first_token: int = 0  # admitted engine requests that have produced no token yet
+    tool_call_parser: str | None = None  # --tool-call-parser (None: from the chat template)
 
 
 # Text at least this long is tokenized on a worker thread: the tokenizer releases the GIL, so the
@@ -325,7 +326,7 @@ async def stream_events(
             if delta.error:
                 yield error_event(500, delta.error)
                 break
-            if delta.text or delta.finished or delta.logprobs:
+            if delta.text or delta.finished or delta.logprobs or delta.tool_calls:
                 yield chunk([choice_of(i, delta)])
         if include_usage:
             yield chunk([], usage=usage(num_prompt, completion_tokens, cached))

@@ -19,8 +19,17 @@ from servelm.server.serving import (
     new_id,
     stream_events,
 )
+from servelm.server.serving_tools import (
+    ToolSetup,
+    finish_reason,
+    message_of,
+    resolve,
+    server_parser,
+    stream_tool_calls,
+)
 from servelm.server.sse import SSE_HEADERS
 from servelm.text.chat_template import ChatTemplateError
+from servelm.text.tool_prompt import prepare_messages
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -34,12 +43,6 @@ def refuse_unsupported(req: ChatCompletionRequest) -> None:
             f"response_format {kind!r} is not supported: servelm has no guided decoding "
             "(ask for JSON in the prompt instead).",
             "response_format",
-        )
-    if req.tool_choice not in (None, "none", "auto"):
-        raise APIError(
-            400,
-            "tool_choice must be 'auto' or 'none': servelm cannot force a tool call.",
-            "tool_choice",
         )
 
 
@@ -70,17 +73,24 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 
 class ServingChat(OpenAIServing):
+    def __init__(self, state) -> None:
+        super().__init__(state)
+        self.tool_parser = server_parser(state.tool_call_parser, self.tokenizer.chat_template)
+
     async def encode_messages(
         self,
         messages: list[ChatMessage],
         add_generation_prompt: bool,
         tools: list[dict[str, Any]] | None = None,
+        parallel_tool_calls: bool = True,
     ) -> list[int]:
-        """The prompt ids of a conversation (chat completions and /tokenize alike)."""
+        """The prompt ids of a conversation (chat completions and /tokenize alike), tools and
+        tool turns as `text/tool_prompt.py` writes them."""
+        msgs, tools = prepare_messages(
+            template_messages(messages), tools, self.tokenizer.chat_template, parallel_tool_calls
+        )
         try:
-            return await self.encode_chat(
-                template_messages(messages), add_generation_prompt, tools=tools
-            )
+            return await self.encode_chat(msgs, add_generation_prompt, tools=tools)
         except ChatTemplateError as exc:
             raise APIError(400, str(exc), "messages") from None
 
@@ -88,7 +98,13 @@ class ServingChat(OpenAIServing):
         self.check_model(req.model)
         self.check_logprobs(req.top_logprobs, "top_logprobs")
         refuse_unsupported(req)
-        prompt_ids = await self.encode_messages(req.messages, req.add_generation_prompt, req.tools)
+        tools = resolve(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser)
+        prompt_ids = await self.encode_messages(
+            req.messages,
+            req.add_generation_prompt,
+            tools.tools if tools else None,
+            tools.parallel if tools else True,
+        )
         self.check_prompt_length(prompt_ids)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, req.max_completion_tokens or req.max_tokens, logprobs)
@@ -99,13 +115,15 @@ class ServingChat(OpenAIServing):
         choices = self.run_choices(rid, [prompt_ids], params, req.priority)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            if tools is not None:
+                choices = stream_tool_calls(choices, tools)
             body = self._stream(
                 rid, created, model, params.n, len(prompt_ids), choices, include_usage
             )
             return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
         return JSONResponse(
             await cancel_on_disconnect(
-                raw, self._full(rid, created, model, params.n, len(prompt_ids), choices)
+                raw, self._full(rid, created, model, params.n, len(prompt_ids), choices, tools)
             )
         )
 
@@ -118,8 +136,11 @@ class ServingChat(OpenAIServing):
         entry["top_logprobs"] = [tok(t, v) for t, v in lp.top]
         return entry
 
-    async def _full(self, rid, created, model, n, num_prompt, choices) -> dict[str, Any]:
+    async def _full(
+        self, rid, created, model, n, num_prompt, choices, tools: ToolSetup | None
+    ) -> dict[str, Any]:
         done = await collect(choices, n, num_prompt)
+        messages = [message_of(text, tools) for text in done.texts]
         return {
             "id": rid,
             "object": "chat.completion",
@@ -128,9 +149,9 @@ class ServingChat(OpenAIServing):
             "choices": [
                 {
                     "index": i,
-                    "message": {"role": "assistant", "content": done.texts[i]},
+                    "message": messages[i][0],
                     "logprobs": self._logprobs(done.logprobs[i]) if done.logprobs[i] else None,
-                    "finish_reason": done.reasons[i],
+                    "finish_reason": finish_reason(done.reasons[i], messages[i][1]),
                 }
                 for i in range(n)
             ],
@@ -144,9 +165,12 @@ class ServingChat(OpenAIServing):
         chunk = chunk_writer(rid, "chat.completion.chunk", created, model)
 
         def choice_of(i: int, delta) -> dict[str, Any]:
+            d: dict[str, Any] = {"content": delta.text} if delta.text else {}
+            if delta.tool_calls:
+                d["tool_calls"] = delta.tool_calls
             return {
                 "index": i,
-                "delta": {"content": delta.text} if delta.text else {},
+                "delta": d,
                 "logprobs": self._logprobs(delta.logprobs) if delta.logprobs else None,
                 "finish_reason": delta.finish_reason,
             }

@@ -83,7 +83,8 @@ def test_chat_non_streaming_usage_matches_tokenizer(client, tokenizer):
 
 def test_chat_history_with_a_tool_call_turn(client, tokenizer):
     # An assistant turn that only calls a tool has no content (OpenAI sends null); the tool's
-    # answer follows. Both reach the template, the call as an empty assistant turn.
+    # answer follows. The tiny ChatML template drops tool calls, so both reach it as servelm's
+    # Hermes-style text (text/tool_prompt.py).
     call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}
     history = [
         *CHAT,
@@ -92,7 +93,14 @@ def test_chat_history_with_a_tool_call_turn(client, tokenizer):
     ]
     r = client.chat.completions.create(model="tiny", messages=history, max_tokens=3)
     assert r.choices[0].finish_reason in ("length", "stop")
-    rendered = [*CHAT, {"role": "assistant", "content": ""}, {"role": "tool", "content": "42"}]
+    rendered = [
+        *CHAT,
+        {
+            "role": "assistant",
+            "content": '<tool_call>\n{"name": "add", "arguments": {}}\n</tool_call>',
+        },
+        {"role": "user", "content": "<tool_response>\n42\n</tool_response>"},
+    ]
     assert r.usage.prompt_tokens == len(tokenizer.encode_chat(rendered))
 
 

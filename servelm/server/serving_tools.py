@@ -1,0 +1,154 @@
+"""Tool calling for chat completions: what a request's `tools` / `tool_choice` /
+`parallel_tool_calls` mean, and the answer's text turned into `tool_calls` (whole or streamed).
+
+The parsing itself is `text/tool_parsers.py`; how tools reach the prompt, `text/tool_prompt.py`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+from servelm.engine.output_processor import TextDelta
+from servelm.server.errors import APIError
+from servelm.text import tool_parsers
+from servelm.text.tool_prompt import template_handles_tools
+
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+
+@dataclass
+class ToolSetup:
+    """What one request asks of tools. `tools` is None when the prompt gets none (no tools,
+    or `tool_choice: none`); `parser` is None when the answer is not read for calls."""
+
+    tools: list[dict[str, Any]] | None
+    parser: str | None
+    names: list[str]
+    parallel: bool
+
+    def new_parser(self) -> tool_parsers.ToolParser:
+        assert self.parser is not None
+        return tool_parsers.make_parser(
+            self.parser, tool_names=self.names, max_calls=None if self.parallel else 1
+        )
+
+
+def server_parser(chosen: str | None, chat_template: str | None) -> str:
+    """The parser a server uses: `--tool-call-parser`, else the format the model's template
+    asks for, else hermes (the format of servelm's own tool prompt)."""
+    if chosen:
+        return chosen
+    if not template_handles_tools(chat_template):
+        return "hermes"
+    return tool_parsers.default_parser(chat_template)
+
+
+def _tool_names(tools: list[Any]) -> list[str]:
+    names = []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+            raise APIError(400, f"tools.{i}.type must be 'function'.", "tools")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise APIError(400, f"tools.{i}.function.name is required.", "tools")
+        if not _NAME.match(fn["name"]):
+            message = f"tools.{i}.function.name must be 1-64 letters, digits, _ . or -."
+            raise APIError(400, message, "tools")
+        if not isinstance(fn.get("parameters", {}), dict):
+            raise APIError(400, f"tools.{i}.function.parameters must be an object.", "tools")
+        names.append(fn["name"])
+    return names
+
+
+def resolve(
+    tools: list[Any] | None, tool_choice: Any, parallel: bool | None, parser: str
+) -> ToolSetup | None:
+    """The request's tool fields checked (a 400 naming the field), or None without tools."""
+    names = _tool_names(tools or [])
+    choice = tool_choice if tool_choice is not None else ("auto" if tools else "none")
+    forced = None
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(fn, dict) or "name" not in fn:
+            message = "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}."
+            raise APIError(400, message, "tool_choice")
+        forced = fn["name"]
+        if forced not in names:
+            raise APIError(
+                400, f"tool_choice names {forced!r}, which is not in tools.", "tool_choice"
+            )
+    elif choice not in ("none", "auto", "required"):
+        message = f"tool_choice must be 'none', 'auto', 'required' or a function; got {choice!r}."
+        raise APIError(400, message, "tool_choice")
+    if choice == "required" and not tools:
+        raise APIError(
+            400, "tool_choice 'required' forces a call, but there are no tools.", "tool_choice"
+        )
+    if choice == "required" or forced:
+        raise APIError(
+            400,
+            "tool_choice 'required' or a named function would need constrained decoding, "
+            "which servelm does not do yet; use 'auto'.",
+            "tool_choice",
+        )
+    if not tools or choice == "none":
+        return None
+    return ToolSetup(tools, parser, names, parallel is not False)
+
+
+def message_of(text: str, setup: ToolSetup | None) -> tuple[dict[str, Any], bool]:
+    """A whole answer as an assistant message, and whether it calls tools."""
+    if setup is None:
+        return {"role": "assistant", "content": text}, False
+    parser = setup.new_parser()
+    content, calls = tool_parsers.collect([*parser.feed(text), *parser.finish()])
+    if not calls:
+        return {"role": "assistant", "content": content}, False
+    tool_calls = [c.to_openai() for c in calls]
+    return {"role": "assistant", "content": content or None, "tool_calls": tool_calls}, True
+
+
+def finish_reason(reason: str | None, calls: bool) -> str | None:
+    """`tool_calls` for an answer that calls tools and ended by itself."""
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
+async def stream_tool_calls(
+    choices: AsyncIterator[tuple[int, TextDelta]], setup: ToolSetup
+) -> AsyncIterator[tuple[int, TextDelta]]:
+    """The choices' deltas with their text read for calls: each delta becomes one delta per
+    run of content and one per call event (its `tool_calls` set), in order; a finishing one
+    ends with an empty delta holding the finish reason."""
+    parsers: dict[int, tool_parsers.ToolParser] = {}
+    async for i, delta in choices:
+        if delta.error:
+            yield i, delta
+            continue
+        parser = parsers.get(i) or parsers.setdefault(i, setup.new_parser())
+        events = parser.feed(delta.text)
+        if delta.finished:
+            events += parser.finish()
+        token_ids, logprobs = delta.token_ids, delta.logprobs  # go with the first piece
+        for e in events:
+            if isinstance(e, str):
+                piece = replace(delta, text=e, tool_calls=None)
+            else:
+                piece = replace(delta, text="", tool_calls=[e.to_openai()])
+            yield i, replace(piece, finish_reason=None, token_ids=token_ids, logprobs=logprobs)
+            token_ids, logprobs = [], None
+        if delta.finished or token_ids:
+            reason = finish_reason(delta.finish_reason, parser.num_calls > 0)
+            yield (
+                i,
+                replace(
+                    delta,
+                    text="",
+                    tool_calls=None,
+                    finish_reason=reason,
+                    token_ids=token_ids,
+                    logprobs=logprobs,
+                ),
+            )

@@ -1,0 +1,128 @@
+"""Tools and tool turns in the prompt: through the model's own chat template when it reads
+them, otherwise as servelm's Hermes-style text (a plain ChatML template drops them).
+
+servelm's text, for a template that does not mention `tools`:
+
+- the tools go in a system message (appended to the conversation's own, or a new first one):
+  a short instruction, each tool's `{"type": "function", "function": {...}}` as one JSON line
+  between `<tools>` and `</tools>`, and the call format,
+  `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one block per call;
+- an assistant turn's `tool_calls` are appended to its content in that format;
+- `role: tool` messages become a user turn, each result between `<tool_response>` and
+  `</tool_response>` (consecutive results share one turn).
+
+The model's own template gets the request's tools as `tools`, and each call's `arguments`
+as an object (templates write them with `tojson`; the API carries them as a JSON string).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+_TOOLS_VARIABLE = re.compile(r"\btools\b")
+
+
+def template_handles_tools(template: str | None) -> bool:
+    """Whether a chat template reads the `tools` variable (and so, by convention, renders
+    tool calls and tool results too)."""
+    return bool(template) and bool(_TOOLS_VARIABLE.search(template or ""))
+
+
+def _arguments_object(arguments: Any) -> Any:
+    """A call's arguments as an object where its JSON string holds one; as given otherwise."""
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            return arguments
+    return arguments
+
+
+def tools_instruction(tools: list[dict[str, Any]], parallel: bool = True) -> str:
+    lines = [
+        "# Tools",
+        "",
+        "You may call the functions described below (JSON schemas, one per line, between "
+        "<tools> and </tools>) when they help you answer.",
+        "<tools>",
+        *(json.dumps(t, ensure_ascii=False) for t in tools),
+        "</tools>",
+        "",
+        "To call a function, answer with its name and arguments as a JSON object between "
+        "<tool_call> and </tool_call>:",
+        "<tool_call>",
+        '{"name": "function name", "arguments": {"argument name": "value"}}',
+        "</tool_call>",
+        "Write one such block per call." if parallel else "Call at most one function.",
+    ]
+    return "\n".join(lines)
+
+
+def _call_text(call: dict[str, Any]) -> str:
+    fn = call.get("function") or {}
+    body = {"name": fn.get("name"), "arguments": _arguments_object(fn.get("arguments", {}))}
+    return f"<tool_call>\n{json.dumps(body, ensure_ascii=False)}\n</tool_call>"
+
+
+def _as_text(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Tool calls and results written into plain turns (see the module's docstring)."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        if m.get("role") == "tool":
+            result = f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"
+            if out and out[-1].get("_tool_results"):
+                out[-1]["content"] += "\n" + result
+            else:
+                out.append({"role": "user", "content": result, "_tool_results": True})
+            continue
+        m = dict(m)
+        calls = m.pop("tool_calls", None) or []
+        if calls:
+            parts = [m.get("content") or "", *(_call_text(c) for c in calls)]
+            m["content"] = "\n".join(p for p in parts if p)
+        out.append(m)
+    for m in out:
+        m.pop("_tool_results", None)
+    return out
+
+
+def _with_objects(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages for a template that renders tool calls: each call's arguments as an object."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = []
+            for c in m["tool_calls"]:
+                c = dict(c)
+                if isinstance(c.get("function"), dict):
+                    fn = dict(c["function"])
+                    fn["arguments"] = _arguments_object(fn.get("arguments", {}))
+                    c["function"] = fn
+                calls.append(c)
+            m = {**m, "tool_calls": calls}
+        out.append(m)
+    return out
+
+
+def prepare_messages(
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    template: str | None,
+    parallel: bool = True,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """(messages, tools) to render: unchanged for a template that reads tools (arguments as
+    objects), servelm's text otherwise (and no `tools` for the template)."""
+    if template_handles_tools(template):
+        return _with_objects(messages), tools or None
+    messages = _as_text(messages)
+    if tools:
+        block = tools_instruction(tools, parallel)
+        if messages and messages[0].get("role") in ("system", "developer"):
+            first = messages[0]
+            content = first.get("content") or ""
+            messages[0] = {**first, "content": f"{content}\n\n{block}" if content else block}
+        else:
+            messages.insert(0, {"role": "system", "content": block})
+    return messages, None

@@ -1,0 +1,263 @@
+"""Tool calling through `servelm serve` and the official openai client, on a model whose greedy
+answers are scripted (tests/scripted_model.py): `logit_bias` picks the script, so each answer,
+and each way of splitting it into tokens, is known."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.live_server import LiveServer
+from tests.scripted_model import build_scripted_model, script_text
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "f"]}},
+                "required": ["city"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}},
+    },
+]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def scripted(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("scripted")
+    return folder, build_scripted_model(folder)
+
+
+@pytest.fixture(scope="module")
+def server(scripted):
+    srv = LiveServer(scripted[0], "--kv-cache-memory", "8MiB", "--served-model-name", "tiny")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def ask(client, scripted):
+    first = scripted[1]
+
+    def ask(script: str, stream: bool = False, **kw):
+        kw.setdefault("tools", TOOLS)
+        return client.chat.completions.create(
+            model="tiny",
+            messages=kw.pop("messages", ASK),
+            temperature=0,
+            logit_bias={str(first[script]): 100},
+            stream=stream,
+            **kw,
+        )
+
+    return ask
+
+
+def streamed(chunks) -> dict:
+    """The chunks joined, checking the shape of every tool-call delta on the way."""
+    content, calls, reasons, seen = "", {}, [], []
+    for chunk in chunks:
+        (choice,) = chunk.choices
+        delta = choice.delta
+        seen.append(delta)
+        if choice.finish_reason:
+            reasons.append(choice.finish_reason)
+            assert delta.content is None and delta.tool_calls is None  # the last chunk: empty
+        content += delta.content or ""
+        for tc in delta.tool_calls or []:
+            if tc.index not in calls:  # the first delta of a call: id, type, name, no arguments
+                assert tc.id and tc.type == "function" and tc.function.name
+                assert tc.function.arguments == ""
+                calls[tc.index] = {"id": tc.id, "name": tc.function.name, "arguments": ""}
+            else:
+                assert tc.id is None and tc.function.name is None and tc.function.arguments
+                calls[tc.index]["arguments"] += tc.function.arguments
+    assert len(reasons) == 1
+    return {"content": content, "calls": [calls[i] for i in sorted(calls)], "reason": reasons[0]}
+
+
+def whole(r) -> dict:
+    (choice,) = r.choices
+    m = choice.message
+    calls = [
+        {"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+        for c in m.tool_calls or []
+    ]
+    return {"content": m.content, "calls": calls, "reason": choice.finish_reason}
+
+
+def same_but_ids(a: dict, b: dict) -> None:
+    strip = lambda d: {**d, "calls": [{**c, "id": None} for c in d["calls"]]}  # noqa: E731
+    assert strip(a) == strip(b)
+
+
+def test_text_then_a_call(ask):
+    r = whole(ask("one_call"))
+    assert r["content"] == "Let me look that up.\n" and r["reason"] == "tool_calls"
+    (call,) = r["calls"]
+    assert call["id"].startswith("call_") and call["name"] == "get_weather"
+    assert call["arguments"] == '{"city": "Paris", "unit": "celsius"}'
+    assert json.loads(call["arguments"]) == {"city": "Paris", "unit": "celsius"}
+    s = streamed(ask("one_call", stream=True))
+    same_but_ids(s, r)
+    assert "<tool" not in s["content"]
+
+
+def test_parallel_calls_whole_and_streamed(ask):
+    r = whole(ask("two_calls"))
+    assert r["content"] is None and r["reason"] == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in r["calls"]] == [
+        ("get_time", {"tz": "UTC"}),
+        ("get_weather", {"city": "Oslo"}),
+    ]
+    assert len({c["id"] for c in r["calls"]}) == 2
+    s = streamed(ask("two_calls", stream=True))
+    assert s["content"] == ""
+    same_but_ids(s, {**r, "content": ""})
+
+
+def test_parallel_tool_calls_false_keeps_one(ask):
+    for stream in (False, True):
+        r = ask("two_calls", stream=stream, parallel_tool_calls=False)
+        r = streamed(r) if stream else whole(r)
+        assert [c["name"] for c in r["calls"]] == ["get_time"] and r["reason"] == "tool_calls"
+
+
+def test_text_answers_and_a_held_tag_prefix(ask):
+    for script in ("plain", "tag_prefix"):
+        r = whole(ask(script))
+        assert r == {"content": script_text(script), "calls": [], "reason": "stop"}
+        s = streamed(ask(script, stream=True))
+        assert s == {"content": script_text(script), "calls": [], "reason": "stop"}
+
+
+def test_tool_choice_none_and_no_tools_leave_the_text_alone(ask):
+    want = {"content": script_text("one_call"), "calls": [], "reason": "stop"}
+    assert whole(ask("one_call", tool_choice="none")) == want
+    assert whole(ask("one_call", tools=openai.NOT_GIVEN)) == want
+    assert streamed(ask("one_call", tool_choice="none", stream=True)) == want
+
+
+def test_required_and_named_tool_choice_are_refused_without_constrained_decoding(ask):
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for choice in ("required", named):
+        with pytest.raises(openai.BadRequestError, match="constrained decoding") as info:
+            ask("one_call", tool_choice=choice)
+        assert info.value.body["param"] == "tool_choice"
+
+
+def test_tools_reach_the_prompt_unless_none(ask):
+    with_tools = ask("plain").usage.prompt_tokens
+    assert (
+        ask("plain", tool_choice="none").usage.prompt_tokens
+        == ask("plain", tools=openai.NOT_GIVEN).usage.prompt_tokens
+    )
+    assert with_tools > ask("plain", tools=openai.NOT_GIVEN).usage.prompt_tokens + 50
+
+
+def test_cut_by_max_tokens(ask):
+    r = whole(ask("one_call", max_tokens=4))
+    assert r["reason"] == "length" and r["content"] == "Let me look that up.\n"
+    assert [(c["name"], c["arguments"]) for c in r["calls"]] == [("get_weather", '{"city": ')]
+    same_but_ids(streamed(ask("one_call", max_tokens=4, stream=True)), r)
+
+
+def test_n_choices_each_with_their_calls(ask):
+    r = ask("two_calls", n=2)
+    ids = [c.id for choice in r.choices for c in choice.message.tool_calls]
+    assert len(ids) == 4 and len(set(ids)) == 4
+    chunks = list(ask("two_calls", n=2, stream=True))
+    for i in range(2):
+        mine = [c for c in chunks if c.choices and c.choices[0].index == i]
+        got = streamed(mine)
+        assert [c["name"] for c in got["calls"]] == ["get_time", "get_weather"]
+
+
+def test_the_conversation_continues_after_a_tool_result(ask, server):
+    r = ask("one_call")
+    call = r.choices[0].message.tool_calls[0]
+    history = [
+        *ASK,
+        r.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'},
+    ]
+    r2 = whole(ask("plain", messages=history))
+    assert r2 == {"content": script_text("plain"), "calls": [], "reason": "stop"}
+    # the call and its result are in the prompt, as the tool prompt's text
+    body = {"model": "tiny", "messages": history}
+    ids = httpx.post(server.url + "/tokenize", json=body).json()["tokens"]
+    prompt = httpx.post(server.url + "/detokenize", json={"model": "tiny", "tokens": ids}).json()
+    assert (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": '
+        in (prompt["prompt"])
+    )
+    assert '<tool_response>\n{"temp": 21}\n</tool_response>' in prompt["prompt"]
+
+
+@pytest.mark.parametrize(
+    "kw,param",
+    [
+        ({"tools": [{"type": "retrieval"}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"description": "x"}}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools"),
+        ({"tool_choice": "sometimes"}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "required", "tools": openai.NOT_GIVEN}, "tool_choice"),
+    ],
+)
+def test_malformed_tool_fields_are_400s_naming_them(ask, kw, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        ask("plain", **kw)
+    assert info.value.body["param"] == param
+
+
+@pytest.mark.parametrize(
+    "parser,script,calls",
+    [
+        ("llama3_json", "llama", [("get_weather", '{"city": "Rome"}')]),
+        (
+            "pythonic",
+            "pythonic",
+            [("get_weather", '{"city": "Lima"}'), ("get_time", '{"tz": "PET"}')],
+        ),
+    ],
+)
+def test_other_formats_with_tool_call_parser(scripted, parser, script, calls):
+    srv = LiveServer(scripted[0], "--kv-cache-memory", "8MiB", "--tool-call-parser", parser)
+    try:
+        client = openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0)
+        kw = dict(
+            model=client.models.list().data[0].id,
+            messages=ASK,
+            tools=TOOLS,
+            temperature=0,
+            logit_bias={str(scripted[1][script]): 100},
+        )
+        r = whole(client.chat.completions.create(**kw))
+        assert [(c["name"], c["arguments"]) for c in r["calls"]] == calls
+        assert r["content"] is None and r["reason"] == "tool_calls"
+        same_but_ids(
+            streamed(client.chat.completions.create(stream=True, **kw)), {**r, "content": ""}
+        )
+        # hermes markup is plain text to these parsers
+        kw["logit_bias"] = {str(scripted[1]["one_call"]): 100}
+        assert whole(client.chat.completions.create(**kw))["content"] == script_text("one_call")
+    finally:
+        srv.stop()

@@ -1,0 +1,90 @@
+"""Tools and tool turns in the prompt: servelm's Hermes-style text for a template that drops them,
+the model's own template (with tools and arguments as objects) for one that reads them."""
+
+from __future__ import annotations
+
+import json
+
+from servelm.text.chat_template import render_chat_template
+from servelm.text.tool_parsers import parse
+from servelm.text.tool_prompt import prepare_messages, template_handles_tools
+from tests.tiny_model import CHATML
+
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+CALL = {
+    "id": "call_1",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+}
+HISTORY = [
+    {"role": "user", "content": "Weather in Paris and Oslo?"},
+    {"role": "assistant", "content": "", "tool_calls": [CALL, {**CALL, "id": "call_2"}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    {"role": "tool", "tool_call_id": "call_2", "content": "rain"},
+]
+
+# A template that reads tools (the shape of Qwen2.5's, much shortened).
+TOOLS_TEMPLATE = (
+    "{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}|{% endif %}"
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}"
+    "{% for c in m.tool_calls or [] %}CALL {{ c.function.name }} "
+    "{{ c.function.arguments | tojson }}{% endfor %}|{% endfor %}"
+)
+
+
+def test_which_templates_handle_tools():
+    assert template_handles_tools(TOOLS_TEMPLATE)
+    assert not template_handles_tools(CHATML)
+    assert not template_handles_tools(None)
+
+
+def test_chatml_gets_a_system_block_with_the_tools_and_the_format():
+    messages, tools = prepare_messages([{"role": "user", "content": "hi"}], [TOOL], CHATML)
+    assert tools is None and [m["role"] for m in messages] == ["system", "user"]
+    block = messages[0]["content"]
+    assert json.dumps(TOOL) in block.split("<tools>\n")[1].split("\n</tools>")[0]
+    assert "<tool_call>" in block and "</tool_call>" in block
+    # the format the block shows is the one the hermes parser reads
+    example = block.split("<tool_call>\n")[-1].split("\n</tool_call>")[0]
+    assert parse("hermes", f"<tool_call>{example}</tool_call>")[1][0].name == "function name"
+
+
+def test_a_system_message_gets_the_block_appended():
+    system = {"role": "system", "content": "Be brief."}
+    messages, _ = prepare_messages([system], [TOOL], CHATML, parallel=False)
+    assert messages[0]["content"].startswith("Be brief.\n\n# Tools")
+    assert "at most one function" in messages[0]["content"]
+
+
+def test_history_without_tools_in_the_template():
+    messages, _ = prepare_messages(HISTORY, None, CHATML)
+    assert [m["role"] for m in messages] == ["user", "assistant", "user"]
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    assert messages[1]["content"] == f"{call}\n{call}"
+    assert messages[2]["content"] == (
+        "<tool_response>\nsunny\n</tool_response>\n<tool_response>\nrain\n</tool_response>"
+    )
+    # what the model wrote parses back into the calls it made
+    _, calls = parse("hermes", messages[1]["content"])
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"})
+    ] * 2
+    rendered = render_chat_template(CHATML, messages)
+    assert "<|im_start|>user\n<tool_response>\nsunny" in rendered
+    assert HISTORY[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'  # untouched
+
+
+def test_a_template_that_reads_tools_gets_them_and_arguments_as_objects():
+    messages, tools = prepare_messages(HISTORY, [TOOL], TOOLS_TEMPLATE)
+    assert tools == [TOOL] and [m["role"] for m in messages] == [m["role"] for m in HISTORY]
+    rendered = render_chat_template(TOOLS_TEMPLATE, messages, tools=tools)
+    assert rendered.startswith("TOOLS:get_weather;|user: ")
+    assert 'CALL get_weather {"city": "Paris"}' in rendered  # an object, not a quoted string
+    assert "|tool: sunny|tool: rain|" in rendered
