@@ -1,7 +1,7 @@
 """Tool calling for chat completions: what a request's `tools` / `tool_choice` /
 `parallel_tool_calls` mean, and the answer's text turned into `tool_calls` (whole or streamed).
 
-The parsing itself is `text/tool_parsers.py`; how tools reach the prompt, `text/tool_prompt.py`.
+The parsing itself is `text/tool_parsers/`; how tools reach the prompt, `text/tool_prompt.py`.
 """
 
 from __future__ import annotations
