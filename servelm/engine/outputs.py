@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from servelm.engine.sampling_params import SamplingParams
 
@@ -62,11 +63,22 @@ def scheduled_request(
 
 
 @dataclass
+class GrammarBitmask:
+    """The tokens each constrained request may sample this step (`servelm.structured.matcher`):
+    row i of `bits` (numpy int32, [rows, ceil(vocab / 32)]) is `request_ids[i]`'s; bit j of
+    word w allows token 32 * w + j."""
+
+    request_ids: list[str]
+    bits: Any
+
+
+@dataclass
 class SchedulerOutput:
     requests: list[ScheduledRequest]
     # Requests that finished or were preempted since the last step: the runner drops their state.
     finished_request_ids: set[str] = field(default_factory=set)
     num_preempted: int = 0
+    grammar_bitmask: GrammarBitmask | None = None  # set by the engine core after scheduling
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from servelm.engine.sampling_params import SamplingParams
 
@@ -68,6 +69,9 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     # Cap on generated tokens; set by the engine from max_tokens and max_model_len.
     max_output_tokens: int = 0
+    # Where the output is in its grammar (a `structured.matcher.GrammarMatcher`), for a request
+    # with a structured_output; None otherwise and once it finished.
+    grammar: Any = None
 
     @property
     def all_token_ids(self) -> list[int]:

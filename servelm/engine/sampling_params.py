@@ -15,6 +15,11 @@ MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
 INT64 = (-(2**63), 2**63 - 1)  # the integers the engine's messages carry (msgpack int64)
 
 
+# What a `StructuredOutput` may constrain to: its `value` is a JSON schema (as JSON text), a
+# regular expression, a JSON list of strings, or a Lark / GBNF grammar (`servelm.structured`).
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")
+
+
 class InvalidParamError(ValueError):
     """A request parameter has a value we cannot serve; `param` names it."""
 
@@ -22,6 +27,20 @@ class InvalidParamError(ValueError):
         super().__init__(message)
         self.param = param
         self.message = message
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """Constrain the output to a language: `kind` is one of STRUCTURED_KINDS, `value` its text.
+
+    Any layer may set it (the server for `response_format`, for a forced tool call); the engine
+    compiles it off the step loop and masks every sampled token to what the language allows.
+    A Lark grammar may embed JSON schemas (`%json{...}`), which is how a tool call's
+    `<tool_call>{...}</tool_call>` markup is constrained around the tool's parameters.
+    """
+
+    kind: str
+    value: str
 
 
 @dataclass
@@ -52,6 +71,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # Only text of this language (min_tokens does not hold off the end it reaches).
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -128,3 +149,10 @@ class SamplingParams:
             raise InvalidParamError("stop_token_ids", "stop_token_ids must be token ids (>= 0).")
         if any(not s for s in self.stop):
             raise InvalidParamError("stop", "stop strings must not be empty.")
+        so = self.structured_output
+        if so is not None and (so.kind not in STRUCTURED_KINDS or not so.value):
+            raise InvalidParamError(
+                "structured_output",
+                f"structured_output needs a kind in {', '.join(STRUCTURED_KINDS)} and a value; "
+                f"got {so.kind!r}.",
+            )

@@ -90,6 +90,7 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
+        request.grammar = None
         self.kv.free(request)
         self._finished_ids.add(request.request_id)
         del self.requests[request.request_id]
@@ -239,6 +240,14 @@ class Scheduler:
                 or n_out + len(request.prompt_token_ids) >= max_model_len
             ):
                 status = RequestStatus.FINISHED_LENGTH
+            error = None
+            if request.grammar is not None and status is not RequestStatus.FINISHED_STOPPED:
+                # The matcher follows the output (never steps): preemption cannot advance it twice.
+                if request.grammar.accept(token):  # complete: a full answer, even at the length cap
+                    error = request.grammar.error
+                    status = (
+                        RequestStatus.FINISHED_ERROR if error else RequestStatus.FINISHED_STOPPED
+                    )
             out = new_token_output(
                 request_id=rid,
                 token_id=token,
@@ -256,6 +265,7 @@ class Scheduler:
                 self._finish(request, status)
                 out.finish_reason = request.finish_reason.value
                 out.stop_token_id = request.stop_token_id
+                out.error = error
             outputs.append(out)
         return outputs
 

@@ -108,6 +108,13 @@ class SamplingFields(RequestBody):
     include_stop_str_in_output: bool = False
     user: str | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    # Structured outputs (server/structured.py): OpenAI's, and vLLM's body extensions.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class ChatMessage(OpenAIModel):
@@ -126,8 +133,6 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    # accepted so that what servelm cannot honour is refused by name (serving_chat)
-    response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):

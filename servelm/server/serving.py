@@ -24,7 +24,12 @@ from servelm.engine.client import AsyncEngineClient, EngineDeadError
 from servelm.engine.output_processor import TextDelta
 from servelm.engine.outputs import Logprobs
 from servelm.engine.requests import default_sampling_params
-from servelm.engine.sampling_params import MAX_LOGPROBS, InvalidParamError, SamplingParams
+from servelm.engine.sampling_params import (
+    MAX_LOGPROBS,
+    InvalidParamError,
+    SamplingParams,
+    StructuredOutput,
+)
 from servelm.server.errors import APIError
 from servelm.server.metrics import RequestTimer, ServerMetrics
 from servelm.server.protocol import SamplingFields
@@ -124,7 +129,11 @@ class OpenAIServing:
             )
 
     def sampling_params(
-        self, req: SamplingFields, max_tokens: int | None, logprobs: int | None
+        self,
+        req: SamplingFields,
+        max_tokens: int | None,
+        logprobs: int | None,
+        structured_output: StructuredOutput | None = None,
     ) -> SamplingParams:
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         try:
@@ -148,6 +157,7 @@ class OpenAIServing:
                 skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 logit_bias=self._logit_bias(req.logit_bias),
+                structured_output=structured_output,
             )
         except InvalidParamError as exc:
             raise APIError(400, exc.message, exc.param) from None

@@ -28,22 +28,11 @@ from servelm.server.serving_tools import (
     stream_tool_calls,
 )
 from servelm.server.sse import SSE_HEADERS
+from servelm.server.structured import checked_structure
 from servelm.text.chat_template import ChatTemplateError
 from servelm.text.tool_prompt import prepare_messages
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-def refuse_unsupported(req: ChatCompletionRequest) -> None:
-    """A 400 for what the request asks and servelm would otherwise quietly not do."""
-    kind = (req.response_format or {}).get("type", "text")
-    if kind != "text":
-        raise APIError(
-            400,
-            f"response_format {kind!r} is not supported: servelm has no guided decoding "
-            "(ask for JSON in the prompt instead).",
-            "response_format",
-        )
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -97,7 +86,6 @@ class ServingChat(OpenAIServing):
     async def create(self, req: ChatCompletionRequest, raw: Request):
         self.check_model(req.model)
         self.check_logprobs(req.top_logprobs, "top_logprobs")
-        refuse_unsupported(req)
         tools = resolve(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser)
         prompt_ids = await self.encode_messages(
             req.messages,
@@ -107,7 +95,10 @@ class ServingChat(OpenAIServing):
         )
         self.check_prompt_length(prompt_ids)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = self.sampling_params(req, req.max_completion_tokens or req.max_tokens, logprobs)
+        structure = await checked_structure(req)
+        params = self.sampling_params(
+            req, req.max_completion_tokens or req.max_tokens, logprobs, structure
+        )
         self.check_admission()
         rid = new_id("chatcmpl")
         created = int(time.time())

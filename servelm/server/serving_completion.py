@@ -20,6 +20,7 @@ from servelm.server.serving import (
     stream_events,
 )
 from servelm.server.sse import SSE_HEADERS
+from servelm.server.structured import checked_structure
 
 MAX_PROMPTS = 64
 
@@ -57,7 +58,9 @@ class ServingCompletion(OpenAIServing):
         if req.best_of is not None and req.best_of > req.n:
             raise APIError(400, "best_of is not supported: ask for n choices instead.", "best_of")
         prompts = await self._prompts(req.prompt)
-        params = self.sampling_params(req, req.max_tokens, req.logprobs)
+        params = self.sampling_params(
+            req, req.max_tokens, req.logprobs, await checked_structure(req)
+        )
         self.check_admission()
         rid = new_id("cmpl")
         created = int(time.time())

@@ -16,6 +16,7 @@ from servelm.engine.core import EngineCore
 from servelm.engine.scheduler import SchedulerConfig
 from servelm.model.config import ModelSpec, load_spec
 from servelm.store.fetch import resolve_model_dir
+from servelm.structured.matcher import StructuredOutputs
 from servelm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("servelm")
@@ -110,4 +111,7 @@ def create_engine_core(
         str(runner.device),
         str(runner.dtype).replace("torch.", ""),
     )
-    return EngineCore(config, runner), info
+    # Grammars read the tokenizer and mask the logits' full width (lazily: nothing is loaded
+    # until a request asks for structure).
+    structured = StructuredOutputs(Path(model_dir) / "tokenizer.json", spec.vocab_size)
+    return EngineCore(config, runner, structured), info

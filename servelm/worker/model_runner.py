@@ -281,6 +281,10 @@ class ModelRunner:
             batch = SamplingBatch(
                 sampled, [self._generator(r.request_id, r.sampling_params.seed) for r in sampled]
             )
+            if so.grammar_bitmask is not None:
+                row_of = {r.request_id: i for i, r in enumerate(sampled)}
+                batch.grammar_rows = [row_of[rid] for rid in so.grammar_bitmask.request_ids]
+                batch.grammar_bits = torch.from_numpy(so.grammar_bitmask.bits)
             tokens, lps = sample(logits, batch)
         out = ModelRunnerOutput({r.request_id: t for r, t in zip(sampled, tokens, strict=True)})
         for r, lp in zip(sampled, lps, strict=True):

@@ -1,8 +1,9 @@
 """Sampler: one path from logits to next tokens for a whole batch, with per-request settings.
 
 Order of operations (each skipped when no request in the batch uses it):
-  raw logprobs (what `logprobs` reports) -> penalties -> logit bias -> min_tokens masking ->
-  greedy argmax, or temperature -> top-k -> top-p -> min-p -> sample.
+  grammar masks (structured outputs, their rows only) -> raw logprobs (what `logprobs`
+  reports) -> penalties -> logit bias -> min_tokens masking -> greedy argmax, or
+  temperature -> top-k -> top-p -> min-p -> sample.
 A request with a seed draws from its own generator, so its tokens do not depend on what else
 is in the batch.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from servelm.engine.outputs import Logprobs, ScheduledRequest
@@ -20,6 +22,24 @@ from servelm.engine.outputs import Logprobs, ScheduledRequest
 class SamplingBatch:
     requests: list[ScheduledRequest]
     generators: list[torch.Generator | None]
+    # Structured outputs: the rows (indices into `requests`) that a grammar constrains, and
+    # their token masks (int32 [len(grammar_rows), ceil(vocab / 32)], bit j of word w: token
+    # 32 * w + j may be sampled).
+    grammar_rows: list[int] | None = None
+    grammar_bits: torch.Tensor | None = None
+
+
+def apply_grammar_masks(logits: torch.Tensor, rows: list[int], bits: torch.Tensor) -> torch.Tensor:
+    """`logits` with every token a row's grammar forbids at -inf; the other rows untouched."""
+    batch, vocab = logits.shape
+    # int32 words in memory order, least significant bit first: token 32 * w + j is bit j of
+    # word w (little-endian, as every host torch runs on).
+    flags = np.unpackbits(bits.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    allowed = np.ones((batch, vocab), dtype=np.bool_)
+    allowed[rows] = flags.view(np.bool_)
+    # One select over the batch: no per-token branch (masked_fill's cost grows with a mask's
+    # disorder), no copy and scatter of the constrained rows.
+    return torch.where(torch.from_numpy(allowed).to(logits.device), logits, float("-inf"))
 
 
 def _token_counts(ids_per_row: list[list[int]], vocab: int, device) -> torch.Tensor:
@@ -65,7 +85,8 @@ def apply_logit_bias(logits: torch.Tensor, reqs: list[ScheduledRequest]) -> torc
 def mask_stop_tokens_before_min(logits: torch.Tensor, reqs: list[ScheduledRequest]) -> torch.Tensor:
     for i, r in enumerate(reqs):
         p = r.sampling_params
-        if len(r.output_token_ids) < p.min_tokens:
+        # (a grammar's end wins: masking it could leave a constrained row nothing to sample)
+        if len(r.output_token_ids) < p.min_tokens and p.structured_output is None:
             stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
             if stop_ids:
                 logits[i, stop_ids] = float("-inf")
@@ -104,6 +125,8 @@ def filter_logits(logits: torch.Tensor, reqs: list[ScheduledRequest]) -> torch.T
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[list[int], list[Logprobs | None]]:
     """logits: float32 [B, V], one row per request in `batch` order."""
     reqs = batch.requests
+    if batch.grammar_rows:
+        logits = apply_grammar_masks(logits, batch.grammar_rows, batch.grammar_bits)
     want_logprobs = [r.sampling_params.logprobs for r in reqs]
     raw_logprobs = logits.log_softmax(dim=-1) if any(k is not None for k in want_logprobs) else None
 

@@ -1,0 +1,71 @@
+"""GrammarCompiler: compiles grammars for the engine on a worker thread, cached by their text.
+
+A compile never runs on the step loop: `submit` returns a future at once, and the engine keeps
+the request out of the scheduler until it is done. Each finished grammar is kept (up to
+`cache_size`, least recently used out first) as a template matcher; every request gets a copy
+of it, so a schema sent again costs a copy, not a compile. The grammar engine's view of the
+vocabulary (built from tokenizer.json, about a second for 49k tokens) is made on that thread
+too, on the first request that asks for structure.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from servelm.engine.sampling_params import StructuredOutput
+
+
+class GrammarCompiler:
+    def __init__(self, tokenizer_file: str | Path, vocab_size: int, cache_size: int = 256) -> None:
+        self.tokenizer_file = Path(tokenizer_file)
+        self.vocab_size = vocab_size  # the logits' width: tokens past the tokenizer's are masked
+        self.cache_size = cache_size
+        self._cache: OrderedDict[tuple[StructuredOutput, tuple[int, ...]], Future] = OrderedDict()
+        self._tokenizers: dict[tuple[int, ...], Any] = {}
+        self._lock = threading.Lock()  # the cache is read by the loop, filled by the thread
+        self._pool: ThreadPoolExecutor | None = None
+
+    def submit(self, spec: StructuredOutput, eos_token_ids: frozenset[int]) -> Future:
+        """A future of the template matcher of `spec` (copy it: `LLMatcher.deep_copy`); it
+        holds a ValueError with the grammar engine's message when `spec` does not compile."""
+        key = (spec, tuple(sorted(eos_token_ids)))
+        with self._lock:
+            future = self._cache.get(key)
+            if future is not None:
+                self._cache.move_to_end(key)
+                return future
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="servelm-grammar")
+            future = self._pool.submit(self._compile, *key)
+            self._cache[key] = future
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return future
+
+    def _compile(self, spec: StructuredOutput, eos: tuple[int, ...]) -> Any:
+        from llguidance import LLMatcher
+
+        from servelm.structured.grammar import to_grammar
+
+        matcher = LLMatcher(self._tokenizer(eos), to_grammar(spec), log_level=0)
+        if matcher.is_error():
+            raise ValueError(matcher.get_error())
+        return matcher
+
+    def _tokenizer(self, eos: tuple[int, ...]) -> Any:
+        tokenizer = self._tokenizers.get(eos)
+        if tokenizer is None:
+            from llguidance import LLTokenizer
+
+            text = self.tokenizer_file.read_text()
+            tokenizer = LLTokenizer(text, n_vocab=self.vocab_size, eos_token=list(eos) or None)
+            self._tokenizers[eos] = tokenizer
+        return tokenizer
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,114 @@
+"""Grammars from structured-output specs: what compiles, what does not (and says why), and the
+masks and matchers the engine builds from them, on the tiny model's tokenizer."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from servelm.engine.request import Request
+from servelm.engine.sampling_params import SamplingParams, StructuredOutput
+from servelm.structured.compiler import GrammarCompiler
+from servelm.structured.grammar import compile_error
+from servelm.structured.matcher import GrammarMatcher
+from servelm.text.tokenizer import TextTokenizer
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"n": {"type": "integer"}, "tag": {"enum": ["a", "b"]}},
+    "required": ["n", "tag"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        StructuredOutput("json", json.dumps(SCHEMA)),
+        StructuredOutput("json", '{"type": "object"}'),
+        StructuredOutput("regex", r"[a-c]{2,4}-\d+"),
+        StructuredOutput("choice", '["yes", "no"]'),
+        StructuredOutput("grammar", 'start: "x" ("," "x")*'),
+        StructuredOutput("grammar", 'root ::= "a" | "b" digit\ndigit ::= [0-9]'),  # GBNF
+    ],
+)
+def test_valid_specs_compile(spec):
+    assert compile_error(spec) is None
+
+
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        (StructuredOutput("json", "{not json"), "not valid JSON"),
+        (StructuredOutput("json", '{"type": "nonsense"}'), "nonsense"),
+        (StructuredOutput("regex", "[a-"), ""),
+        (StructuredOutput("grammar", "start: undefined_rule"), "undefined_rule"),
+        (StructuredOutput("choice", "[]"), "non-empty"),
+    ],
+)
+def test_invalid_specs_say_why(spec, words):
+    error = compile_error(spec)
+    assert error and words in error
+
+
+@pytest.fixture(scope="module")
+def compiler(tiny_model_dir):
+    return GrammarCompiler(tiny_model_dir / "tokenizer.json", vocab_size=400)
+
+
+def allowed(matcher: GrammarMatcher, vocab: int = 400) -> set[int]:
+    bits = np.empty((1, (vocab + 31) // 32), dtype=np.int32)
+    matcher.fill(bits, 0)
+    flags = (bits[0, :, None] >> np.arange(32)) & 1
+    return set(np.flatnonzero(flags.reshape(-1)[:vocab]).tolist())
+
+
+def test_matcher_follows_tokens_to_the_end(compiler, tiny_model_dir):
+    tok = TextTokenizer(tiny_model_dir)
+    eos = frozenset(tok.eos_token_ids)
+    template = compiler.submit(StructuredOutput("choice", '["fox", "dog"]'), eos).result(30)
+    matcher = GrammarMatcher(template.deep_copy())
+    first = allowed(matcher)
+    assert first and max(first) < tok.vocab_size  # padding past the tokenizer never allowed
+    assert not first & eos  # nothing chosen yet: the end is not allowed
+    ids = tok.encode("fox", add_special_tokens=False)
+    for t in ids[:-1]:
+        assert t in allowed(matcher)
+        assert not matcher.accept(t)
+    assert matcher.accept(ids[-1])  # complete: nothing but the end may follow
+    assert allowed(matcher) == set(eos)
+    assert matcher.error is None
+
+
+def test_compiles_are_cached_by_text(compiler):
+    spec = StructuredOutput("regex", "[ab]+")
+    assert compiler.submit(spec, frozenset({2})) is compiler.submit(spec, frozenset({2}))
+    assert compiler.submit(StructuredOutput("regex", "[ab]+"), frozenset({2})).result(30)
+
+
+def test_a_grammar_that_fails_in_the_engine_fails_its_future(compiler):
+    future = compiler.submit(StructuredOutput("regex", "[a-"), frozenset({2}))
+    with pytest.raises(ValueError):
+        future.result(30)
+
+
+def test_sampling_params_refuse_an_unknown_kind():
+    from servelm.engine.sampling_params import InvalidParamError
+
+    with pytest.raises(InvalidParamError) as info:
+        SamplingParams(structured_output=StructuredOutput("yaml", "a: 1"))
+    assert info.value.param == "structured_output"
+    Request("r", [1], SamplingParams(structured_output=StructuredOutput("regex", "a")))
+
+
+def test_the_grammar_engine_is_imported_only_when_a_request_asks():
+    code = (
+        "import sys, servelm.server.app, servelm.worker.executor\n"
+        "print('llguidance' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
