@@ -21,6 +21,7 @@ from servelm.server.serving import (
 )
 from servelm.server.serving_tools import (
     ToolSetup,
+    constrain,
     finish_reason,
     message_of,
     resolve,
@@ -95,7 +96,7 @@ class ServingChat(OpenAIServing):
         )
         self.check_prompt_length(prompt_ids)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        structure = await checked_structure(req)
+        structure = await constrain(tools, await checked_structure(req))
         params = self.sampling_params(
             req, req.max_completion_tokens or req.max_tokens, logprobs, structure
         )

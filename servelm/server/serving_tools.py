@@ -2,17 +2,22 @@
 `parallel_tool_calls` mean, and the answer's text turned into `tool_calls` (whole or streamed).
 
 The parsing itself is `text/tool_parsers/`; how tools reach the prompt, `text/tool_prompt.py`.
+`tool_choice: "required"` and a named function constrain the answer (a structured output) to
+Hermes calls of the request's tools, arguments valid for each tool's parameter schema.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Any
 
 from servelm.engine.output_processor import TextDelta
+from servelm.engine.sampling_params import StructuredOutput
 from servelm.server.errors import APIError
+from servelm.server.structured import check_structure
 from servelm.text import tool_parsers
 from servelm.text.tool_prompt import template_handles_tools
 
@@ -28,6 +33,8 @@ class ToolSetup:
     parser: str | None
     names: list[str]
     parallel: bool
+    forced: bool = False  # tool_choice required or named: the answer is calls only
+    only: str | None = None  # the named function
 
     def new_parser(self) -> tool_parsers.ToolParser:
         assert self.parser is not None
@@ -87,16 +94,58 @@ def resolve(
         raise APIError(
             400, "tool_choice 'required' forces a call, but there are no tools.", "tool_choice"
         )
-    if choice == "required" or forced:
-        raise APIError(
-            400,
-            "tool_choice 'required' or a named function would need constrained decoding, "
-            "which servelm does not do yet; use 'auto'.",
-            "tool_choice",
-        )
     if not tools or choice == "none":
         return None
+    if choice == "required" or forced:  # the grammar writes hermes calls, whatever the model
+        return ToolSetup(tools, "hermes", names, parallel is not False, True, forced)
     return ToolSetup(tools, parser, names, parallel is not False)
+
+
+# JSON in a forced call is compact, as in servelm's structured outputs: no whitespace can run on.
+_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def tool_grammar(tools: list[dict[str, Any]], only: str | None, parallel: bool) -> str:
+    """A Lark grammar (llguidance's, with `%json`) whose sentences are Hermes tool calls and
+    nothing else: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, the
+    arguments valid for that tool's parameter schema; one call, or one or more (parallel)."""
+    calls = []
+    for tool in tools:
+        fn = tool["function"]
+        if only is None or fn["name"] == only:
+            properties = {
+                "name": {"const": fn["name"]},  # first: a stream names the call early
+                "arguments": fn.get("parameters") or {"type": "object"},
+            }
+            calls.append(
+                {
+                    "type": "object",
+                    "properties": properties,
+                    "required": ["name", "arguments"],
+                    "additionalProperties": False,
+                }
+            )
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    body = json.dumps({"x-guidance": _JSON_STYLE, **schema}, ensure_ascii=False)
+    start = 'start: call ("\\n" call)*' if parallel else "start: call"
+    return f'{start}\ncall: "<tool_call>\\n" body "\\n</tool_call>"\nbody: %json {body}\n'
+
+
+async def constrain(
+    setup: ToolSetup | None, asked: StructuredOutput | None
+) -> StructuredOutput | None:
+    """The structured output of a request: a forced tool call's grammar (checked to compile,
+    a 400 naming `tools` if a parameter schema does not), or what the request asked."""
+    if setup is None or not setup.forced:
+        return asked
+    if asked is not None:
+        message = (
+            "tool_choice forces a tool call, which no other structured output can also constrain."
+        )
+        raise APIError(400, message, "tool_choice")
+    spec = StructuredOutput("grammar", tool_grammar(setup.tools or [], setup.only, setup.parallel))
+    await check_structure(spec, "tools")
+    return spec
 
 
 def message_of(text: str, setup: ToolSetup | None) -> tuple[dict[str, Any], bool]:

@@ -155,12 +155,78 @@ def test_tool_choice_none_and_no_tools_leave_the_text_alone(ask):
     assert streamed(ask("one_call", tool_choice="none", stream=True)) == want
 
 
-def test_required_and_named_tool_choice_are_refused_without_constrained_decoding(ask):
-    named = {"type": "function", "function": {"name": "get_time"}}
-    for choice in ("required", named):
-        with pytest.raises(openai.BadRequestError, match="constrained decoding") as info:
-            ask("one_call", tool_choice=choice)
-        assert info.value.body["param"] == "tool_choice"
+# Forced calls: no script, the grammar writes the answer. The scripted model's logits are all
+# zero off its scripts, so greedy takes the first token the grammar allows at each step: the
+# schemas are finite (an enum, no parameters), or a string would run to max_tokens.
+UNIT = {
+    "type": "function",
+    "function": {
+        "name": "set_unit",
+        "parameters": {
+            "type": "object",
+            "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "choice,names",
+    [
+        ("required", {"set_unit", "get_time"}),
+        ({"type": "function", "function": {"name": "set_unit"}}, {"set_unit"}),
+        ({"type": "function", "function": {"name": "get_time"}}, {"get_time"}),
+    ],
+)
+def test_required_and_named_tool_choice_force_valid_calls(client, choice, names):
+    kw = dict(messages=ASK, tools=[UNIT, TIME], tool_choice=choice, temperature=0, max_tokens=300)
+    kw["model"] = "tiny"
+    for parallel in (True, False):
+        r = whole(client.chat.completions.create(parallel_tool_calls=parallel, **kw))
+        assert r["reason"] == "tool_calls" and r["content"] is None and r["calls"]
+        assert len(r["calls"]) == 1 or parallel
+        for call in r["calls"]:
+            assert call["name"] in names
+            valid = {"set_unit": [{"unit": "celsius"}, {"unit": "fahrenheit"}], "get_time": [{}]}
+            assert json.loads(call["arguments"]) in valid[call["name"]]  # what the schemas allow
+        s = streamed(
+            client.chat.completions.create(parallel_tool_calls=parallel, stream=True, **kw)
+        )
+        same_but_ids(s, {**r, "content": ""})
+
+
+def test_parallel_tool_calls_false_ends_a_forced_answer_after_one_call(client, scripted):
+    from servelm.text.tokenizer import TextTokenizer
+
+    # A newline after a call would start the next one: biased up, it always wins where allowed.
+    (newline,) = TextTokenizer(scripted[0]).encode("\n", False)
+    kw = dict(messages=ASK, tools=[TIME], tool_choice="required", temperature=0, max_tokens=150)
+    kw.update(model="tiny", logit_bias={str(newline): 100})
+    one = whole(client.chat.completions.create(parallel_tool_calls=False, **kw))
+    assert one["reason"] == "tool_calls" and [c["name"] for c in one["calls"]] == ["get_time"]
+    many = whole(client.chat.completions.create(**kw))
+    assert many["reason"] == "length" and len(many["calls"]) > 2
+    assert {c["name"] for c in many["calls"]} == {"get_time"}
+
+
+def test_forced_tool_choice_refuses_a_second_constraint_and_bad_schemas(client):
+    kw = dict(model="tiny", messages=ASK, tool_choice="required")
+    with pytest.raises(openai.BadRequestError, match="forces a tool call") as info:
+        client.chat.completions.create(tools=[UNIT], response_format={"type": "json_object"}, **kw)
+    assert info.value.body["param"] == "tool_choice"
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(tools=[bad], **kw)
+    assert info.value.body["param"] == "tools"
 
 
 def test_tools_reach_the_prompt_unless_none(ask):
@@ -259,5 +325,54 @@ def test_other_formats_with_tool_call_parser(scripted, parser, script, calls):
         # hermes markup is plain text to these parsers
         kw["logit_bias"] = {str(scripted[1]["one_call"]): 100}
         assert whole(client.chat.completions.create(**kw))["content"] == script_text("one_call")
+    finally:
+        srv.stop()
+
+
+@pytest.mark.slow
+def test_the_default_model_makes_valid_forced_calls(default_model_dir):
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The current weather in a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "maxLength": 40},
+                    "unit": {"enum": ["celsius", "fahrenheit"]},
+                },
+                "required": ["city", "unit"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    srv = LiveServer(default_model_dir, "--served-model-name", "default")
+    try:
+        client = openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=300)
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        for i, (choice, stream) in enumerate(
+            [("required", False), ("required", True), (named, False), (named, True)]
+        ):
+            r = client.chat.completions.create(
+                model="default",
+                messages=[{"role": "user", "content": "Is it raining in Lisbon?"}],
+                tools=[weather, TIME],
+                tool_choice=choice,
+                parallel_tool_calls=False,
+                temperature=1.0,
+                seed=i,
+                max_tokens=200,
+                stream=stream,
+            )
+            got = streamed(r) if stream else whole(r)
+            assert got["reason"] == "tool_calls" and len(got["calls"]) == 1, got
+            (call,) = got["calls"]
+            args = json.loads(call["arguments"])
+            if call["name"] == "get_weather":
+                assert set(args) == {"city", "unit"} and args["unit"] in ("celsius", "fahrenheit")
+                assert isinstance(args["city"], str) and len(args["city"]) <= 40
+            else:
+                assert choice == "required" and (call["name"], args) == ("get_time", {})
     finally:
         srv.stop()
