@@ -94,16 +94,17 @@ def test_a_signal_drains_the_streams_and_exits_zero(default_model_dir, sig, grou
         new_session=True,
     )
     try:
-        threads, results = start_streams(server, max_tokens=160)
+        # short answers: on a loaded machine the drain still ends well inside its timeout
+        threads, results = start_streams(server, max_tokens=48)
         (os.killpg if group else os.kill)(server.proc.pid, sig)
         time.sleep(0.5)
         with pytest.raises(httpx.HTTPError):  # no new connections while draining
             httpx.get(server.url + "/health", timeout=5)
         for t in threads:
-            t.join(90)
-        assert server.proc.wait(60) == 0
+            t.join(300)
+        assert server.proc.wait(300) == 0
         assert [r["finish_reason"] for r in results] == ["length"] * STREAMS, results
-        assert all(r.get("tokens") == 160 for r in results), results
+        assert all(r.get("tokens") == 48 for r in results), results
         assert "Traceback" not in server.log(), server.log()
         assert group_gone(server.proc.pid), "a process of the server was left behind"
     finally:
