@@ -90,7 +90,7 @@ def test_a_signal_drains_the_streams_and_exits_zero(default_model_dir, sig, grou
         "--served-model-name",
         "default",
         "--shutdown-timeout",
-        "60",
+        "300",
         new_session=True,
     )
     try:
