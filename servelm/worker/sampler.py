@@ -11,6 +11,7 @@ is in the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import inf
 
 import numpy as np
 import torch
@@ -162,7 +163,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[list[int], list[
             top = []
             if k > 0:
                 vals, ids = row.topk(k)
-                top = list(zip(ids.tolist(), vals.tolist(), strict=True))
+                # (a grammar's forbidden tokens are no alternatives: -inf, and not JSON either)
+                top = [(t, v) for t, v in zip(ids.tolist(), vals.tolist(), strict=True) if v > -inf]
             lps[i] = Logprobs(tok, lp, rank, top)
     return token_list, lps
 

@@ -102,8 +102,11 @@ def test_regex_choice_grammar_on_chat_and_completions(client):
     assert re.fullmatch(regex, reply.choices[0].message.content)
     assert reply.choices[0].finish_reason == "stop"
 
-    reply = chat(client, "Is the sky blue?", extra_body={"guided_choice": ["yes", "no"]})
+    reply = chat(client, "Is the sky blue?", logprobs=True, top_logprobs=5,
+                 extra_body={"guided_choice": ["yes", "no"]})  # fmt: skip
     assert reply.choices[0].message.content in ("yes", "no")
+    for entry in reply.choices[0].logprobs.content:  # alternatives the grammar allows only
+        assert entry.top_logprobs and all(t.logprob > -1e30 for t in entry.top_logprobs)
 
     grammar = 'start: "(" num " " op " " num ")"\nop: "+" | "-"\nnum: /[0-9]{1,2}/'
     done = client.completions.create(

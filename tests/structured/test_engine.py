@@ -105,3 +105,30 @@ def test_preemption_does_not_advance_a_matcher_twice(tiny_model_dir):
 def test_a_grammar_the_engine_cannot_compile_ends_the_request_with_an_error(llm):
     (result,) = llm.generate(PROMPTS[0], constrained("regex", "[a-"))
     assert result.outputs[0].finish_reason == "error"
+
+
+def test_aborts_free_matchers_while_compiling_and_while_running(llm):
+    from servelm.engine.request import Request
+
+    core = llm.engine
+    ids = llm.tokenizer.encode(PROMPTS[0])
+
+    def add(rid: str, value: str) -> Request:
+        request = Request(rid, ids, constrained("regex", value, max_tokens=200), frozenset({2}))
+        core.add_request(request)
+        return request
+
+    waiting = add("waiting", "[ab]{150}")  # a text never compiled before: still compiling
+    (out,) = core.abort_requests(["waiting"])
+    assert out.finish_reason == "abort" and not core.structured.compiling
+    running = add("running", "[ab]{100}")
+    while running.num_output_tokens < 3:
+        core.step()
+    assert running.grammar is not None
+    (out,) = core.abort_requests(["running"])
+    assert out.finish_reason == "abort" and running.grammar is None
+    plain = Request("plain", ids, SamplingParams(max_tokens=2), frozenset({2}))
+    core.add_request(plain)
+    while core.has_unfinished_requests():
+        core.step()
+    assert waiting.grammar is None and not core.structured.live

@@ -49,3 +49,12 @@ def test_constrained_rows_sample_allowed_tokens_greedy_and_not():
         tokens, _ = sample(logits, batch)
         assert tokens[0] == int(logits[0].argmax())
         assert tokens[1] in (7, 40) and tokens[2] in (2, 64, 65)
+
+
+def test_logprobs_of_a_constrained_row_list_allowed_tokens_only():
+    spec = StructuredOutput("regex", "x")
+    reqs = [request("r", SamplingParams(temperature=0, logprobs=5, structured_output=spec))]
+    batch = SamplingBatch(reqs, [None], [0], torch.stack([bits_allowing([3, 70])]))
+    tokens, lps = sample(torch.randn(1, VOCAB), batch)
+    assert tokens[0] in (3, 70)
+    assert {t for t, _ in lps[0].top} == {3, 70}
