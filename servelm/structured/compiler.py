@@ -10,7 +10,6 @@ too, on the first request that asks for structure.
 
 from __future__ import annotations
 
-import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -20,30 +19,30 @@ from servelm.engine.sampling_params import StructuredOutput
 
 
 class GrammarCompiler:
+    """Called from one thread (the engine's step loop); compiles on another."""
+
     def __init__(self, tokenizer_file: str | Path, vocab_size: int, cache_size: int = 256) -> None:
         self.tokenizer_file = Path(tokenizer_file)
         self.vocab_size = vocab_size  # the logits' width: tokens past the tokenizer's are masked
         self.cache_size = cache_size
         self._cache: OrderedDict[tuple[StructuredOutput, tuple[int, ...]], Future] = OrderedDict()
         self._tokenizers: dict[tuple[int, ...], Any] = {}
-        self._lock = threading.Lock()  # the cache is read by the loop, filled by the thread
         self._pool: ThreadPoolExecutor | None = None
 
     def submit(self, spec: StructuredOutput, eos_token_ids: frozenset[int]) -> Future:
         """A future of the template matcher of `spec` (copy it: `LLMatcher.deep_copy`); it
         holds a ValueError with the grammar engine's message when `spec` does not compile."""
         key = (spec, tuple(sorted(eos_token_ids)))
-        with self._lock:
-            future = self._cache.get(key)
-            if future is not None:
-                self._cache.move_to_end(key)
-                return future
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="servelm-grammar")
-            future = self._pool.submit(self._compile, *key)
-            self._cache[key] = future
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
+        future = self._cache.get(key)
+        if future is not None:
+            self._cache.move_to_end(key)
+            return future
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="servelm-grammar")
+        future = self._pool.submit(self._compile, *key)
+        self._cache[key] = future
+        while len(self._cache) > self.cache_size:
+            self._cache.popitem(last=False)
         return future
 
     def _compile(self, spec: StructuredOutput, eos: tuple[int, ...]) -> Any:
