@@ -50,6 +50,7 @@ class AsyncEngineClient:
         self.ready: EngineReady | None = None
         self.dead_reason: str | None = None
         self.stats_listeners: list[Callable[[SchedulerStats], None]] = []
+        self.last_stats: SchedulerStats | None = None  # the engine's, after its latest step
         self._queues: dict[str, asyncio.Queue[TextDelta | Exception]] = {}
         self._tasks: list[asyncio.Task] = []
         self._ipc_dir = tempfile.mkdtemp(prefix="servelm-")  # unique per server: no fixed names
@@ -189,6 +190,7 @@ class AsyncEngineClient:
             if to_abort:
                 await self.abort(to_abort)
             if outs.stats is not None:
+                self.last_stats = outs.stats
                 for listener in self.stats_listeners:
                     listener(outs.stats)
 

@@ -43,7 +43,7 @@ class ServerState:
     model_name: str
     max_model_len: int  # what one sequence may use: min(context, KV capacity)
     max_queued_requests: int
-    awaiting_first_token: int = 0  # admitted engine requests that have produced no token yet
+    in_flight: int = 0  # engine requests (one per choice) admitted and not yet finished
     tool_call_parser: str | None = None  # --tool-call-parser (None: from the chat template)
 
 
@@ -109,13 +109,22 @@ class OpenAIServing:
                 f"The engine is not running: {self.engine.dead_reason}.",
                 headers={"Retry-After": "5"},
             )
-        if self.state.awaiting_first_token >= self.state.max_queued_requests:
+        if self.num_queued() >= self.state.max_queued_requests:
             raise APIError(
                 503,
                 "The server is at capacity (waiting queue full); retry later.",
                 code="queue_full",
                 headers={"Retry-After": "1"},
             )
+
+    def num_queued(self) -> int:
+        """Admitted requests that wait for a place in the running batch, as far as this process
+        can tell: those beyond what `max_num_seqs` holds, or the engine's waiting queue at its
+        last step (where the KV cache, not the batch, is what they wait for), whichever is more.
+        A request admitted and already in prefill is not waiting."""
+        beyond_batch = self.state.in_flight - self.engine.args.max_num_seqs
+        stats = self.engine.last_stats
+        return max(beyond_batch, stats.num_waiting if stats is not None else 0)
 
     def check_prompt_length(self, prompt_ids: list[int]) -> None:
         limit = self.state.max_model_len
@@ -215,15 +224,11 @@ class OpenAIServing:
 
         async def one(index: int, prompt: list[int], p: SamplingParams) -> None:
             timer = RequestTimer(state.metrics, arrival)
-            waiting = True
             try:
                 async for delta in self.engine.generate(
                     f"{request_id}-{index}", prompt, p, priority, arrival
                 ):
                     now = time.time()
-                    if waiting and delta.token_ids:
-                        waiting = False
-                        state.awaiting_first_token -= 1
                     timer.on_tokens(now, len(delta.token_ids), delta.queued_time)
                     if delta.finished:
                         timer.on_finish(now, delta.finish_reason, delta.num_prompt_tokens)
@@ -231,8 +236,6 @@ class OpenAIServing:
             except Exception as exc:  # engine death or a bug: surface it to the response
                 await queue.put(exc)
             finally:
-                if waiting:
-                    state.awaiting_first_token -= 1
                 await queue.put(None)
 
         tasks = []
@@ -240,9 +243,16 @@ class OpenAIServing:
             for ci in range(n):
                 seed = None if params.seed is None else params.seed + ci
                 p = SamplingParams(**{**params.__dict__, "n": 1, "seed": seed})
-                state.awaiting_first_token += 1
-                tasks.append(asyncio.create_task(one(pi * n + ci, prompt, p)))
+                # counted now, not when the task first runs (admission reads it), and uncounted
+                # when it is done, even cancelled before it ever ran
+                state.in_flight += 1
+                task = asyncio.create_task(one(pi * n + ci, prompt, p))
+                task.add_done_callback(self._done_in_flight)
+                tasks.append(task)
         return self._merge(queue, tasks)
+
+    def _done_in_flight(self, task: asyncio.Task) -> None:
+        self.state.in_flight -= 1
 
     @staticmethod
     async def _merge(
