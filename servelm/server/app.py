@@ -8,6 +8,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 import servelm
 from servelm.server.auth import APIKeyMiddleware
+from servelm.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
 from servelm.server.errors import APIError, error_response, install_error_handlers
 from servelm.server.protocol import (
     ChatCompletionRequest,
@@ -22,9 +23,14 @@ from servelm.server.serving_chat import ServingChat
 from servelm.server.serving_completion import ServingCompletion
 
 
-def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
+def build_app(
+    state: ServerState,
+    api_key: str | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+) -> FastAPI:
     app = FastAPI(title="servelm", version=servelm.__version__, docs_url=None, redoc_url=None)
     install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, limit=max_request_bytes)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     chat = ServingChat(state)

@@ -16,7 +16,8 @@ import time
 
 import uvicorn
 
-from servelm.config import EngineArgs, port_number
+from servelm.config import EngineArgs, parse_size, port_number
+from servelm.server.body_limit import DEFAULT_MAX_REQUEST_BYTES
 from servelm.text.tool_parsers import PARSERS
 
 logger = logging.getLogger("servelm")
@@ -37,6 +38,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=256,
         help="requests waiting for their first token before new ones get 503",
+    )
+    g.add_argument(
+        "--max-request-bytes",
+        type=parse_size,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="request bodies over this size get 413 before they are read (default 8MiB)",
     )
     g.add_argument(
         "--shutdown-timeout",
@@ -130,7 +137,7 @@ async def serve(args: argparse.Namespace) -> int:
         args.max_queued_requests,
         tool_call_parser=getattr(args, "tool_call_parser", None),
     )
-    app = build_app(state, args.api_key)
+    app = build_app(state, args.api_key, args.max_request_bytes)
     config = uvicorn.Config(
         app,
         host=args.host,
