@@ -112,3 +112,28 @@ def test_the_grammar_engine_is_imported_only_when_a_request_asks():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_unbounded_integers_get_json_safe_bounds():
+    # A small model writing a number greedily can repeat a digit until max_tokens: 16 at most.
+    from servelm.structured.grammar import SAFE_INTEGER as SAFE
+    from servelm.structured.grammar import bound_integers
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "integer"},
+            "b": {"type": "integer", "minimum": 0},
+            "c": {"type": "array", "items": {"type": "integer", "exclusiveMaximum": 5}},
+        },
+    }
+    out = bound_integers(schema)
+    assert out["properties"]["a"] == {"type": "integer", "minimum": -SAFE, "maximum": SAFE}
+    assert out["properties"]["b"] == {"type": "integer", "minimum": 0, "maximum": SAFE}
+    assert out["properties"]["c"]["items"] == {
+        "type": "integer",
+        "exclusiveMaximum": 5,
+        "minimum": -SAFE,
+    }
+    assert schema["properties"]["a"] == {"type": "integer"}  # the caller's schema unchanged
+    assert compile_error(StructuredOutput("json", json.dumps(schema))) is None
