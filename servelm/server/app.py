@@ -81,7 +81,7 @@ def build_app(
         if req.messages is not None:  # counted as a chat completion would count them
             ids = await chat.encode_messages(req.messages, req.add_generation_prompt)
         elif req.prompt is not None:
-            ids = await chat.encode(req.prompt, req.add_special_tokens)
+            ids = await chat.encode(req.prompt, req.add_special_tokens, bounded=False)
         else:
             raise APIError(400, "give either prompt or messages", "prompt")
         return JSONResponse(

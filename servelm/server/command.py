@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-queued-requests",
         type=int,
         default=256,
-        help="requests waiting for their first token before new ones get 503",
+        help="requests waiting for a place in the running batch before new ones get 503",
     )
     g.add_argument(
         "--max-request-bytes",

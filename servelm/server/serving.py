@@ -171,15 +171,34 @@ class OpenAIServing:
         except InvalidParamError as exc:
             raise APIError(400, exc.message, exc.param) from None
 
-    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """The tokenizer's `encode`, off the event loop for long text (`off_loop`)."""
+    async def encode(
+        self, text: str, add_special_tokens: bool = True, bounded: bool = True
+    ) -> list[int]:
+        """The tokenizer's `encode`, off the event loop for long text (`off_loop`). `bounded`:
+        text that cannot fit the context whatever its tokens is refused before it is tokenized."""
+        if bounded:
+            self.check_text_length(len(text))
         return await off_loop(len(text), self.tokenizer.encode, text, add_special_tokens)
+
+    def check_text_length(self, chars: int) -> None:
+        """A prompt of `chars` characters is at least chars / longest_token_chars tokens: over
+        the context, refuse it without spending a tokenizer's time on all of it."""
+        least = -(-chars // self.tokenizer.longest_token_chars)
+        if least >= self.state.max_model_len:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.state.max_model_len} tokens. "
+                f"However, your prompt is at least {least} tokens; reduce its length.",
+                "prompt",
+                "context_length_exceeded",
+            )
 
     async def encode_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool, **kw: Any
     ) -> list[int]:
         """The tokenizer's `encode_chat`, off the event loop for long conversations."""
         chars = message_chars(messages)
+        self.check_text_length(chars)
         return await off_loop(
             chars, self.tokenizer.encode_chat, messages, add_generation_prompt, **kw
         )

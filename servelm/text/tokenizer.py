@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +88,15 @@ class TextTokenizer:
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @cached_property
+    def longest_token_chars(self) -> int:
+        """The most characters one token stands for (at most its vocabulary entry's length: a
+        byte-level entry has a symbol per byte): text of n characters is at least
+        n / longest_token_chars tokens, which bounds a prompt's length before it is tokenized."""
+        return max(
+            (len(entry) for entry in self.tokenizer.get_vocab(with_added_tokens=True)), default=1
+        )
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # The fast batch call skips the character offsets, which servelm never reads: the same

@@ -53,3 +53,26 @@ def test_under_the_limit_it_serves(small_limit):
         timeout=30,
     )
     assert reply.status_code == 200, reply.text
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(tiny_model_dir):
+    # under the body limit, but more characters than the context holds tokens times the most
+    # characters one token stands for: refused from its length ("at least"), not tokenized
+    srv = LiveServer(tiny_model_dir, "--kv-cache-memory", "8MiB", "--max-model-len", "256")
+    try:
+        from servelm.text.tokenizer import TextTokenizer
+
+        longest = TextTokenizer(tiny_model_dir).longest_token_chars
+        prompt = "x" * (256 * longest)
+        for path, body in [
+            ("/completions", {"prompt": prompt, "max_tokens": 1}),
+            ("/chat/completions", {"messages": [{"role": "user", "content": prompt}]}),
+        ]:
+            reply = httpx.post(srv.base_url + path, json=body, timeout=30)
+            assert reply.status_code == 400, reply.text
+            error = reply.json()["error"]
+            assert error["code"] == "context_length_exceeded" and "at least 256" in error["message"]
+        ok = httpx.post(srv.base_url + "/completions", json={"prompt": "x y", "max_tokens": 1})
+        assert ok.status_code == 200
+    finally:
+        srv.stop()
