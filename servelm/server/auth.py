@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import hmac
-import json
 
-from servelm.server.errors import error_body
+from servelm.server.errors import send_error
 
 OPEN_PATHS = frozenset({"/health", "/metrics", "/ping"})
 
@@ -23,17 +22,10 @@ class APIKeyMiddleware:
         # Constant-time comparison: timing does not reveal how much of a guess was right.
         if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key):
             return await self.app(scope, receive, send)
-        body = json.dumps(
-            error_body(401, "Invalid or missing API key.", None, "invalid_api_key")
-        ).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 401,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"www-authenticate", b"Bearer"),
-                ],
-            }
+        await send_error(
+            send,
+            401,
+            "Invalid or missing API key.",
+            "invalid_api_key",
+            [(b"www-authenticate", b"Bearer")],
         )
-        await send({"type": "http.response.body", "body": body})

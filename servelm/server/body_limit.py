@@ -7,9 +7,7 @@ refused before it is received; one sent in chunks is cut off as soon as it passe
 
 from __future__ import annotations
 
-import json
-
-from servelm.server.errors import error_body
+from servelm.server.errors import send_error
 
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # a 128k-token context as text is about 0.5 MiB
 
@@ -55,18 +53,5 @@ class BodyLimitMiddleware:
             await self._refuse(send)
 
     async def _refuse(self, send) -> None:
-        body = json.dumps(
-            error_body(413, f"The request body is over {self.limit} bytes.", None, "body_too_large")
-        ).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"connection", b"close"),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+        message = f"The request body is over {self.limit} bytes."
+        await send_error(send, 413, message, "body_too_large", [(b"connection", b"close")])

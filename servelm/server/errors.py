@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from http import HTTPStatus
 from typing import Any
 
@@ -88,3 +89,17 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+async def send_error(send, status: int, message: str, code: str, headers=()) -> None:
+    """An OpenAI-shaped error straight through ASGI `send`, for middleware that answers before
+    the application runs (API keys, body limits)."""
+    body = json.dumps(error_body(status, message, None, code)).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), *headers],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})

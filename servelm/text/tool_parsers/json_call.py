@@ -41,12 +41,7 @@ class ObjectScanner:
         elif s == "key":
             if self.in_str:
                 self._key += ch
-                if self.esc:
-                    self.esc = False
-                elif ch == "\\":
-                    self.esc = True
-                elif ch == '"':
-                    self.in_str = False
+                if self._string_ends(ch):
                     try:
                         self.open_key = json.loads(self._key)
                         self.state = "colon"
@@ -67,20 +62,25 @@ class ObjectScanner:
         elif s == "comma":
             self.state = {",": "key", "}": "done"}.get(ch, "error")
 
+    def _string_ends(self, ch: str) -> bool:
+        """One more character of an open JSON string (a key or a value): whether it closes it."""
+        if self.esc:
+            self.esc = False
+        elif ch == "\\":
+            self.esc = True
+        elif ch == '"':
+            self.in_str = False
+            return True
+        return False
+
     def _value_char(self, ch: str) -> None:
         v = self.open_value
         if not v and ch.isspace():
             return
         if self.in_str:
             self.open_value += ch
-            if self.esc:
-                self.esc = False
-            elif ch == "\\":
-                self.esc = True
-            elif ch == '"':
-                self.in_str = False
-                if self.depth == 0:
-                    self._end_value()
+            if self._string_ends(ch) and self.depth == 0:
+                self._end_value()
             return
         if self.depth == 0 and v and v[0] not in "{[" and (ch in ",}" or ch.isspace()):
             self._end_value()  # a number, true, false or null ends at its delimiter
