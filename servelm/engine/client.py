@@ -63,10 +63,6 @@ class AsyncEngineClient:
     def is_alive(self) -> bool:
         return self.dead_reason is None and self._proc is not None and self._proc.is_alive()
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._queues)
-
     # -- life cycle -------------------------------------------------------------------------
     def launch(self) -> None:
         """Start the engine process; `wait_ready` then waits for its model to be loaded."""

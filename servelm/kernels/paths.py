@@ -65,6 +65,13 @@ def cpu_has_bf16_matmul() -> bool:
         return True
 
 
+@cache
+def bf16_via_f32_min_rows() -> int:
+    """Rows from which a bf16 matmul goes through float32 on this CPU (NEVER: it does not).
+    Asked by every plain bf16 matmul, so decided once."""
+    return NEVER if cpu_has_bf16_matmul() else BF16_VIA_F32_MIN_ROWS
+
+
 def sgemm_min_rows(tile_min_rows: int, activation_bits: int, invariant: bool) -> int:
     """Rows from which the C q4 matmul hands x to torch's float32 matmul (NEVER: it does not)."""
     return NEVER if tile_min_rows or activation_bits or invariant else SGEMM_MIN_ROWS
@@ -103,7 +110,7 @@ class StepPaths:
             activation_bits=kernel.activation_bits if c else 0,
             int4_max_rows=int4,
             head_q8_max_rows=ALL_ROWS if invariant or not bf16 else HEAD_Q8_MAX_ROWS,
-            bf16_via_f32_min_rows=NEVER if bf16 else BF16_VIA_F32_MIN_ROWS,
+            bf16_via_f32_min_rows=bf16_via_f32_min_rows(),
             sgemm_min_rows=kernel.sgemm_min_rows if c else NEVER,
         )
 

@@ -29,7 +29,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from servelm.kernels.paths import ALL_ROWS, StepPaths, cpu_has_bf16_matmul
+from servelm.kernels.paths import (
+    ALL_ROWS,
+    StepPaths,
+    bf16_via_f32_min_rows,
+    cpu_has_bf16_matmul,
+)
 from servelm.kernels.quant_matmul import QuantMatmul
 
 
@@ -48,7 +53,7 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """`F.linear`, in float32 where that is faster for bfloat16 on this CPU (`kernels/paths.py`)."""
-    from_rows = StepPaths.of(None).bf16_via_f32_min_rows
+    from_rows = bf16_via_f32_min_rows()
     if (
         weight.dtype == torch.bfloat16
         and from_rows
