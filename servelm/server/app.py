@@ -7,9 +7,10 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import servelm
-from servelm.server.auth import APIKeyMiddleware
+from servelm.server.auth import OPEN_PATHS, APIKeyMiddleware
 from servelm.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
 from servelm.server.errors import APIError, error_response, install_error_handlers
+from servelm.server.metrics import HTTPStatusMiddleware
 from servelm.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -33,6 +34,7 @@ def build_app(
     app.add_middleware(BodyLimitMiddleware, limit=max_request_bytes)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(HTTPStatusMiddleware, metrics=state.metrics, skip_paths=OPEN_PATHS)
     chat = ServingChat(state)
     completion = ServingCompletion(state)
     tokenizer = state.engine.tokenizer

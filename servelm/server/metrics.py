@@ -123,6 +123,13 @@ class ServerMetrics:
             buckets=_ITL_BUCKETS,
             registry=r,
         )
+        self.tpot = Histogram(
+            p + "request_time_per_output_token_seconds",
+            "Per request: first to last token over the tokens after the first (TPOT).",
+            labels,
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
         self.e2e = Histogram(
             p + "e2e_request_latency_seconds",
             "Arrival to last token.",
@@ -135,6 +142,13 @@ class ServerMetrics:
             "Arrival to first schedule.",
             labels,
             buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        # Counted at the outermost layer, so 401/413 answered by middleware count too.
+        self.http_requests = Counter(
+            p + "http_requests",
+            "HTTP requests answered, by status code (probes and scrapes left out).",
+            labels + ["status"],
             registry=r,
         )
         info = Gauge(
@@ -157,6 +171,7 @@ class ServerMetrics:
             self.engine_steps,
             self.ttft,
             self.itl,
+            self.tpot,
             self.e2e,
             self.queue_time,
         ):
@@ -184,7 +199,9 @@ class RequestTimer:
     def __init__(self, metrics: ServerMetrics, arrival: float) -> None:
         self.metrics = metrics
         self.arrival = arrival
+        self.first: float | None = None
         self.last: float | None = None
+        self.num_tokens = 0
 
     def on_tokens(self, now: float, num_tokens: int, queued_time: float | None = None) -> None:
         m, name = self.metrics, self.metrics.model_name
@@ -193,14 +210,48 @@ class RequestTimer:
         m.generation_tokens.labels(name).inc(num_tokens)
         if self.last is None:
             m.ttft.labels(name).observe(now - self.arrival)
+            self.first = now
         else:
             m.itl.labels(name).observe(now - self.last)
         if queued_time is not None:
             m.queue_time.labels(name).observe(queued_time)
         self.last = now
+        self.num_tokens += num_tokens
 
     def on_finish(self, now: float, reason: str, num_prompt_tokens: int) -> None:
         m, name = self.metrics, self.metrics.model_name
         m.e2e.labels(name).observe(now - self.arrival)
+        if self.num_tokens > 1:  # (a one-token answer has no time per output token)
+            tpot = (self.last - self.first) / (self.num_tokens - 1)
+            m.tpot.labels(name).observe(tpot)
         m.prompt_tokens.labels(name).inc(num_prompt_tokens)
         m.success.labels(name, reason).inc()
+
+
+class HTTPStatusMiddleware:
+    """Pure ASGI, outermost: counts each answered request by status code in
+    `servelm:http_requests_total`. Probes and scrapes (OPEN_PATHS) are left out: their rate
+    would drown the clients' in any panel."""
+
+    def __init__(self, app, metrics: ServerMetrics, skip_paths: frozenset[str]) -> None:
+        self.app, self.metrics, self.skip = app, metrics, skip_paths
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.skip:
+            return await self.app(scope, receive, send)
+        status: int | None = None
+
+        async def counted(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counted)
+        except Exception:
+            status = status or 500  # what the server's error handler answers
+            raise
+        finally:
+            if status is not None:
+                self.metrics.http_requests.labels(self.metrics.model_name, str(status)).inc()

@@ -1,0 +1,66 @@
+"""`servelm:http_requests_total` by status code and the per-request TPOT histogram (issue #31:
+the dashboard's error-rate and TPOT panels read them)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from servelm.server.metrics import HTTPStatusMiddleware, RequestTimer, ServerMetrics
+
+STATUS = "servelm:http_requests_total{status=%d}"
+TPOT = "servelm:request_time_per_output_token_seconds"
+
+
+def test_requests_counted_by_status_probes_and_scrapes_left_out(server, client):
+    before = server.metrics()
+    client.completions.create(model="tiny", prompt="hello", max_tokens=2)
+    bad = httpx.post(server.base_url + "/completions", json={"model": "tiny", "prompt": 5})
+    missing = httpx.post(server.base_url + "/completions", json={"model": "nope", "prompt": "x"})
+    assert (bad.status_code, missing.status_code) == (400, 404)
+    for path in ("/health", "/ping", "/metrics"):
+        assert httpx.get(server.url + path).status_code == 200
+    after = server.metrics()
+    for code in (200, 400, 404):
+        assert after[STATUS % code] - before.get(STATUS % code, 0) == 1, code
+    # only the three requests above: the probes and the scrapes are not in the total
+    assert after["servelm:http_requests_total"] - before.get("servelm:http_requests_total", 0) == 3
+
+
+def test_tpot_per_request_leaves_out_one_token_answers(server, client):
+    before = server.metrics()
+    client.completions.create(
+        model="tiny", prompt="a b c", max_tokens=6, extra_body={"ignore_eos": True}
+    )
+    client.completions.create(
+        model="tiny", prompt="a b c", max_tokens=1, extra_body={"ignore_eos": True}
+    )
+    after = server.metrics()
+    assert after[TPOT + "_count"] - before[TPOT + "_count"] == 1
+    e2e = after["servelm:e2e_request_latency_seconds_sum"]
+    assert 0 < after[TPOT + "_sum"] - before[TPOT + "_sum"] < e2e
+
+
+def test_tpot_is_first_to_last_token_over_the_tokens_after_the_first():
+    metrics = ServerMetrics("m", 16, 8)
+    timer = RequestTimer(metrics, arrival=0.5)
+    timer.on_tokens(1.0, 1)  # the first token: TTFT 0.5 s
+    timer.on_tokens(1.5, 2)  # two tokens in one step
+    timer.on_tokens(2.0, 1)
+    timer.on_finish(2.0, "length", 3)
+    assert metrics.tpot.labels("m")._sum.get() == pytest.approx((2.0 - 1.0) / 3)
+    assert metrics.ttft.labels("m")._sum.get() == pytest.approx(0.5)
+
+
+def test_an_unhandled_exception_counts_as_500():
+    metrics = ServerMetrics("m", 16, 8)
+
+    async def broken(scope, receive, send):
+        raise RuntimeError("bug")
+
+    app = HTTPStatusMiddleware(broken, metrics, frozenset())
+    with pytest.raises(RuntimeError):
+        asyncio.run(app({"type": "http", "path": "/v1/completions"}, None, None))
+    assert metrics.http_requests.labels("m", "500")._value.get() == 1
