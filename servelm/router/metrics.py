@@ -26,6 +26,10 @@ class RouterMetrics:
             ["replica", "status"],
             registry=r,
         )
+        # Requests refused for want of a replica (replica="none") are the demand signal that
+        # scales engines up from zero (deploy/helm: the ScaledObject); the series exists at 0
+        # from the start so that the query has data before the first refusal.
+        self.requests.labels("none", "503")
         self.decisions = Counter(
             p + "routing_decisions",
             "Routing decisions by policy and reason.",
