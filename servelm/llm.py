@@ -120,6 +120,8 @@ class LLM:
                 completion.token_ids.extend(delta.token_ids)
                 if delta.logprobs:
                     completion.logprobs = (completion.logprobs or []) + delta.logprobs
+                if delta.prompt_logprobs is not None:
+                    result.prompt_logprobs = delta.prompt_logprobs
                 result.num_cached_tokens = max(result.num_cached_tokens, delta.num_cached_tokens)
                 if delta.finished:
                     completion.finish_reason = delta.finish_reason

@@ -29,6 +29,8 @@ class TextDelta:
     error: str | None = None
     # chat with tools: the OpenAI `delta.tool_calls` entries the API process read from the text
     tool_calls: list[dict] | None = None
+    # the prompt's logprobs (first entry None), with a request's first delta when it asked
+    prompt_logprobs: list[Logprobs | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -74,6 +76,7 @@ class OutputProcessor:
             out.queued_time,
             out.error,
         )
+        delta.prompt_logprobs = out.prompt_logprobs
         params = state.params
         for i, tok in enumerate(out.new_token_ids):
             state.token_ids.append(tok)

@@ -91,7 +91,8 @@ class SchedulerOutput:
 
 @dataclass
 class Logprobs:
-    """Logprobs for one generated token: the sampled token's and the top-k alternatives."""
+    """Logprobs for one token: the sampled (or, scoring a prompt, the given) token's, its rank
+    and the top-k alternatives."""
 
     token_id: int
     logprob: float
@@ -103,6 +104,9 @@ class Logprobs:
 class ModelRunnerOutput:
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, Logprobs] = field(default_factory=dict)
+    # Requests with prompt_logprobs: (t, entries), entries[i] the logprob of prompt token t + i
+    # given the tokens before it (this step's rows of the prompt; t >= 1).
+    prompt_logprobs: dict[str, tuple[int, list[Logprobs]]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -118,6 +122,9 @@ class EngineCoreOutput:
     logprobs: list[Logprobs] | None = None
     queued_time: float | None = None  # seconds between arrival and first schedule
     error: str | None = None
+    # With the request's first output, when it asked for prompt_logprobs: one entry per prompt
+    # token, the first None (nothing precedes it).
+    prompt_logprobs: list[Logprobs | None] | None = None
 
 
 def new_token_output(

@@ -72,6 +72,9 @@ class Request:
     # Where the output is in its grammar (a `structured.matcher.GrammarMatcher`), for a request
     # with a structured_output; None otherwise and once it finished.
     grammar: Any = None
+    # prompt_logprobs: entries of prompt tokens 1, 2, ... as the runner scores them, until they
+    # are sent with the first output (then None, and a recompute after preemption adds nothing).
+    prompt_logprobs: list | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -51,6 +51,9 @@ class SamplingParams:
     `max_tokens=None` means "until the context is full". `logprobs=k` returns the sampled
     token's logprob plus the k most likely alternatives at each step. `logit_bias` adds a value
     to a token's logit before sampling (token ids below the vocabulary size: the server checks).
+    `prompt_logprobs=k` scores the prompt too: for every prompt token after the first, its
+    logprob given the tokens before it (raw log-softmax, float32) plus the k most likely tokens
+    there. `max_tokens=0` generates nothing: the prompt is only run (and scored, if asked).
     """
 
     n: int = 1
@@ -73,6 +76,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     # Only text of this language (min_tokens does not hold off the end it reaches).
     structured_output: StructuredOutput | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -128,9 +132,9 @@ class SamplingParams:
                 "repetition_penalty",
                 f"repetition_penalty must be positive, got {self.repetition_penalty}.",
             )
-        if self.max_tokens is not None and self.max_tokens < 1:
+        if self.max_tokens is not None and self.max_tokens < 0:
             raise InvalidParamError(
-                "max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}."
+                "max_tokens", f"max_tokens must be non-negative, got {self.max_tokens}."
             )
         if self.min_tokens < 0:
             raise InvalidParamError(
@@ -144,6 +148,11 @@ class SamplingParams:
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidParamError(
                 "logprobs", f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}."
+            )
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise InvalidParamError(
+                "prompt_logprobs",
+                f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.prompt_logprobs}.",
             )
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidParamError("stop_token_ids", "stop_token_ids must be token ids (>= 0).")

@@ -70,7 +70,11 @@ class Scheduler:
                 f"This model's maximum context length is {max_len} tokens, but the prompt has "
                 f"{request.num_prompt_tokens} tokens."
             )
-        request.max_output_tokens = min(params.max_tokens or room, room)
+        request.max_output_tokens = (
+            room if params.max_tokens is None else min(params.max_tokens, room)
+        )
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = []
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -148,6 +152,10 @@ class Scheduler:
         ):
             request = self.waiting.peek()
             hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+            if request.sampling_params.prompt_logprobs is not None:
+                # Every prompt position is scored, so a cached prefix is computed again (its
+                # blocks are still published for others), as vLLM does.
+                hit_blocks, num_hit = [], 0
             num_new = min(request.num_tokens - num_hit, budget)
             if self.kv.allocate_slots(request, num_new, hit_blocks) is None:
                 break
@@ -217,11 +225,16 @@ class Scheduler:
         logprobs = runner_output.logprobs
         running = RequestStatus.RUNNING
         max_model_len = self.config.max_model_len
+        if runner_output.prompt_logprobs:
+            self._add_prompt_logprobs(runner_output.prompt_logprobs)
         for sreq in scheduler_output.requests:  # once per request per step: keep it lean
             rid = sreq.request_id
             request = requests.get(rid)
             token = sampled.get(rid)
             if request is None or token is None or request.status != running:
+                continue
+            if request.max_output_tokens == 0:  # max_tokens 0: the prompt was all it asked for
+                outputs.append(self._prompt_only(request))
                 continue
             output_ids = request.output_token_ids
             output_ids.append(token)
@@ -260,6 +273,9 @@ class Scheduler:
                 lp = logprobs.get(rid)
                 if lp is not None:
                     out.logprobs = [lp]
+            if request.prompt_logprobs is not None:  # with the first output, once
+                out.prompt_logprobs = [None, *request.prompt_logprobs]
+                request.prompt_logprobs = None
             if status is not None:
                 self.running.remove(request)
                 self._finish(request, status)
@@ -268,6 +284,38 @@ class Scheduler:
                 out.error = error
             outputs.append(out)
         return outputs
+
+    def _add_prompt_logprobs(self, scored: dict[str, tuple[int, list]]) -> None:
+        """Keep each request's newly scored prompt positions; positions scored before (a
+        recompute after preemption) are not added twice."""
+        for rid, (first, entries) in scored.items():
+            request = self.requests.get(rid)
+            have = request.prompt_logprobs if request is not None else None
+            if have is None:
+                continue
+            skip = len(have) + 1 - first  # entry i is prompt token first + i; have[j] is j + 1
+            if 0 <= skip < len(entries):
+                have.extend(entries[skip:])
+
+    def _prompt_only(self, request: Request) -> EngineCoreOutput:
+        """The one output of a request with max_tokens 0, once its prompt has run: no token
+        (the one sampled is dropped), finished for its length."""
+        self.running.remove(request)
+        self._finish(request, RequestStatus.FINISHED_LENGTH)
+        out = EngineCoreOutput(
+            request.request_id,
+            [],
+            request.finish_reason.value,
+            None,
+            request.num_prompt_tokens,
+            request.num_cached_tokens,
+        )
+        if request.scheduled_time is not None:
+            out.queued_time = max(0.0, request.scheduled_time - request.arrival_time)
+        if request.prompt_logprobs is not None:
+            out.prompt_logprobs = [None, *request.prompt_logprobs]
+            request.prompt_logprobs = None
+        return out
 
     def make_stats(self) -> SchedulerStats:
         prefix = self.kv.prefix_stats.reset()

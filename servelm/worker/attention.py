@@ -19,6 +19,7 @@ The last layer needs attention only for the rows the step samples from: a prompt
 token, none of a chunk that does not finish its prompt. `kept_rows` names them (every decode
 row stays), and `attn(..., kept_only=True)` stores every token's K/V as usual but attends for
 those rows alone, in their order: the layer's projections and MLP then run on them alone too.
+A request that scores its prompt (prompt logprobs) keeps every row of its chunk (`keep_all`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class PrefillChunk:
     causal: torch.Tensor | None  # [num_tokens, context_len] 0 / -inf; None: context == queries
     # (or a prefill kernel that needs no mask)
     kept: int = -1  # its last token's row among the kept rows; -1: the chunk samples nothing
+    all_rows: bool = False  # every row of the chunk is kept (ending at `kept`), not the last alone
 
 
 @dataclass
@@ -61,6 +63,8 @@ class AttentionMetadata:
     # runs of consecutive decode rows, for the C layer loop: (first step row, first and end
     # index among the decode rows, the first's place among the kept rows)
     decode_runs: list[tuple[int, int, int, int]] = field(default_factory=list)
+    # keep_all requests: request index -> its first row's place among the rows the model returns
+    all_rows_places: dict[int, int] = field(default_factory=dict)
 
 
 def additive_mask(allowed: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -79,6 +83,7 @@ def build_metadata(
     prefill_masks: bool = True,
     sample: list[bool] | None = None,
     decodes_as_chunks: bool = False,
+    keep_all: list[bool] | None = None,
 ) -> AttentionMetadata:
     """seqs: per request (num_computed_tokens, num_new_tokens, block_ids), in batch order;
     dtype: the model's (attention masks are made in it); decode_mask / prefill_masks: build the
@@ -86,7 +91,8 @@ def build_metadata(
     tokens (only SDPA reads them; the C kernels work from lengths); sample: per request,
     whether the step samples its next token (None: every request does), for `kept_rows`;
     decodes_as_chunks: a decode token is a prompt chunk of one (batch invariance: one attention
-    path for a prompt token and a generated one).
+    path for a prompt token and a generated one); keep_all: per request, whether the last layer
+    computes every row of its chunk (None: none does).
 
     Built with numpy on the host (one small array op per request, not one torch op per token),
     then moved to the device once.
@@ -96,6 +102,7 @@ def build_metadata(
     kept, decode_kept = [], []
     last_rows, kept_places = [], []  # of the requests that sample
     runs = []  # of consecutive decode rows: [first row, first index, end index, kept place]
+    all_rows = []  # of keep_all requests: (request index, first row, first place among kept)
     row = 0
     for i, (num_computed, num_new, block_ids) in enumerate(seqs):
         ctx = num_computed + num_new
@@ -114,6 +121,8 @@ def build_metadata(
             decode_blocks.append(used_blocks)
             decode_lens.append(ctx)
             decode_kept.append(len(kept))
+            if keep_all is not None and keep_all[i]:
+                all_rows.append((i, row, len(kept)))
             kept.append(row)
         else:
             causal = None
@@ -121,10 +130,14 @@ def build_metadata(
                 # query i (at position num_computed + i) sees keys 0 .. its own
                 causal = additive_mask(np.arange(ctx)[None, :] <= new_pos[:, None], dtype, device)
             blocks = torch.from_numpy(table).to(device)
-            prefills.append(
-                PrefillChunk(row, num_new, ctx, blocks, causal, len(kept) if samples else -1)
-            )
-            kept += [row + num_new - 1] if samples else []
+            keeps_all = keep_all is not None and keep_all[i]
+            if keeps_all:
+                all_rows.append((i, row, len(kept)))
+                kept.extend(range(row, row + num_new))
+            elif samples:
+                kept.append(row + num_new - 1)
+            place = len(kept) - 1 if keeps_all or samples else -1
+            prefills.append(PrefillChunk(row, num_new, ctx, blocks, causal, place, keeps_all))
         if samples:
             last_rows.append(row + num_new - 1)
             kept_places.append(len(kept) - 1)
@@ -137,6 +150,8 @@ def build_metadata(
     if len(kept) < row:
         meta.kept_rows = torch.tensor(kept, dtype=torch.long, device=device)
         meta.decode_kept = torch.tensor(decode_kept, dtype=torch.long, device=device)
+    for i, first_row, first_kept in all_rows:
+        meta.all_rows_places[i] = first_kept if meta.kept_rows is not None else first_row
     places = kept_places if meta.kept_rows is not None else last_rows
     meta.sample_rows = torch.tensor(places, dtype=torch.long, device=device)
     if decode_rows:
@@ -188,6 +203,7 @@ class TorchPagedAttention:
         device: torch.device,
         dtype: torch.dtype,
         sample: list[bool] | None = None,
+        keep_all: list[bool] | None = None,
     ) -> None:
         """This step's metadata (see `build_metadata`), shared by every layer."""
         decode_mask, prefill_masks = self.decode_kernel is None, self.prefill_kernel is None
@@ -200,6 +216,7 @@ class TorchPagedAttention:
             prefill_masks,
             sample,
             self.decodes_as_chunks,
+            keep_all,
         )
 
     @property
@@ -229,9 +246,12 @@ class TorchPagedAttention:
         for chunk in meta.prefills:
             rows = slice(chunk.start, chunk.start + chunk.num_tokens)
             queries, into, causal = rows, rows, chunk.causal
-            if kept_only:  # its last token alone, which sees the whole context
-                if chunk.kept < 0:
-                    continue
+            last_only = kept_only and not chunk.all_rows
+            if kept_only and chunk.kept < 0:
+                continue
+            if kept_only and chunk.all_rows:  # every row, into its places among the kept rows
+                into = slice(chunk.kept + 1 - chunk.num_tokens, chunk.kept + 1)
+            if last_only:  # its last token alone, which sees the whole context
                 queries, into = slice(rows.stop - 1, rows.stop), slice(chunk.kept, chunk.kept + 1)
                 causal = None if causal is None else causal[-1:]
             if self.prefill_kernel is not None:  # reads its K/V from the cache, stored above
@@ -259,7 +279,7 @@ class TorchPagedAttention:
                 kp,
                 vp,
                 attn_mask=causal,
-                is_causal=causal is None and not kept_only,  # one last query sees every key
+                is_causal=causal is None and not last_only,  # one last query sees every key
                 scale=self.scale,
                 enable_gqa=gqa,
             )

@@ -2,7 +2,9 @@
 
 `execute` turns a `SchedulerOutput` into flat tensors (token ids, positions, slot mapping,
 block tables), runs one forward over the mixed batch and samples one token for every request
-whose prompt is complete. Per-request state kept here is only the seeded random generator.
+whose prompt is complete. A request with prompt_logprobs has every row of its prompt chunk
+computed through the last layer and scored (`sampler.prompt_logprobs`); the others keep only
+the rows they sample from. Per-request state kept here is only the seeded random generator.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from servelm.model.loader import build_model
 from servelm.worker.attention import TorchPagedAttention
 from servelm.worker.decode_stack import DecodeStack
 from servelm.worker.kv_pool import PageFiller, kv_pool
-from servelm.worker.sampler import SamplingBatch, sample
+from servelm.worker.sampler import SamplingBatch, prompt_logprobs, sample
 
 logger = logging.getLogger(__name__)
 
@@ -265,17 +267,23 @@ class ModelRunner:
             positions.extend(range(r.num_computed_tokens, r.num_computed_tokens + n))
             seqs.append((r.num_computed_tokens, n, r.block_ids))
         sampled = [r for r in so.requests if r.sample]
+        keep_all = None  # per request: scores prompt positions in this step (all its rows kept)
+        if any(r.sampling_params.prompt_logprobs is not None for r in so.requests):
+            keep_all = [_scores_prompt(r) for r in so.requests]
+            keep_all = keep_all if any(keep_all) else None
 
         device = self.device
-        self.attn.plan(seqs, device, self.dtype, [r.sample for r in so.requests])
+        self.attn.plan(seqs, device, self.dtype, [r.sample for r in so.requests], keep_all)
         input_ids = torch.tensor(ids, dtype=torch.long, device=device)
         pos = torch.tensor(positions, dtype=torch.long, device=device)
         with torch.inference_mode():
-            hidden = self.decode_stack and self.decode_stack(input_ids, pos)
+            # (the C layer loop keeps a chunk's last row only: a scoring step takes the layers)
+            hidden = None if keep_all else self.decode_stack and self.decode_stack(input_ids, pos)
             if hidden is None:
                 hidden = self.model(input_ids, pos, self.attn)
+            scored = self._prompt_logprobs(hidden, so.requests, keep_all) if keep_all else {}
             if not sampled:
-                return ModelRunnerOutput({})
+                return ModelRunnerOutput({}, prompt_logprobs=scored)
             # hidden holds the kept rows (attention.py): the sampled requests' places there
             logits = self.model.compute_logits(hidden[self.attn.meta.sample_rows])
             batch = SamplingBatch(
@@ -286,10 +294,31 @@ class ModelRunner:
                 batch.grammar_rows = [row_of[rid] for rid in so.grammar_bitmask.request_ids]
                 batch.grammar_bits = torch.from_numpy(so.grammar_bitmask.bits)
             tokens, lps = sample(logits, batch)
-        out = ModelRunnerOutput({r.request_id: t for r, t in zip(sampled, tokens, strict=True)})
+        out = ModelRunnerOutput(
+            {r.request_id: t for r, t in zip(sampled, tokens, strict=True)}, prompt_logprobs=scored
+        )
         for r, lp in zip(sampled, lps, strict=True):
             if lp is not None:
                 out.logprobs[r.request_id] = lp
+        return out
+
+    def _prompt_logprobs(self, hidden, requests, keep_all) -> dict[str, tuple[int, list]]:
+        """Each scoring request's prompt logprobs for this step's positions: (first prompt
+        token scored, entries), the rows where the next token is a prompt token."""
+        places = self.attn.meta.all_rows_places
+        out = {}
+        for i, r in enumerate(requests):
+            if not keep_all[i]:
+                continue
+            start = r.num_computed_tokens
+            rows = min(len(r.token_ids), len(r.prompt_token_ids) - 1 - start)
+            first = places[i]
+            targets = r.prompt_token_ids[start + 1 : start + 1 + rows]
+            k = r.sampling_params.prompt_logprobs
+            entries = prompt_logprobs(
+                self.model.compute_logits, hidden[first : first + rows], targets, k
+            )
+            out[r.request_id] = (start + 1, entries)
         return out
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
@@ -301,3 +330,12 @@ class ModelRunner:
             gen.manual_seed(seed)
             self.generators[request_id] = gen
         return gen
+
+
+def _scores_prompt(r) -> bool:
+    """Whether this step of `r` holds prompt positions to score: one whose next token is in
+    the prompt (the last prompt position predicts the first generated token instead)."""
+    return (
+        r.sampling_params.prompt_logprobs is not None
+        and r.num_computed_tokens < len(r.prompt_token_ids) - 1
+    )

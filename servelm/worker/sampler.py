@@ -6,10 +6,14 @@ Order of operations (each skipped when no request in the batch uses it):
   temperature -> top-k -> top-p -> min-p -> sample.
 A request with a seed draws from its own generator, so its tokens do not depend on what else
 is in the batch.
+
+`prompt_logprobs` scores prompt tokens (raw log-softmax of each position's logits, float32) a
+block of rows at a time, so a long prompt never holds its whole prompt x vocabulary matrix.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from math import inf
 
@@ -172,3 +176,36 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[list[int], list[
 def _needs_penalty(r: ScheduledRequest) -> bool:
     p = r.sampling_params
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0 or p.frequency_penalty != 0
+
+
+# Rows of logits one block of prompt scoring holds at once: [rows, vocab] float32 (12 MiB for a
+# 49k vocabulary), a few times over for the log-softmax and the ranks.
+PROMPT_LOGPROBS_ROWS = 64
+
+
+def prompt_logprobs(
+    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,
+    targets: list[int],
+    k: int,
+) -> list[Logprobs]:
+    """The logprob and rank of `targets[i]` under the logits of `hidden[i]` (the next prompt
+    token at each position), and the `k` most likely tokens there; no sampling setting applies
+    (penalties, bias, grammar): it is the model's own distribution, as vLLM reports it."""
+    out: list[Logprobs] = []
+    for start in range(0, len(targets), PROMPT_LOGPROBS_ROWS):
+        block = targets[start : start + PROMPT_LOGPROBS_ROWS]
+        lps = compute_logits(hidden[start : start + len(block)]).float().log_softmax(dim=-1)
+        ids = torch.tensor(block, dtype=torch.long, device=lps.device)[:, None]
+        chosen = lps.gather(1, ids)
+        ranks = ((lps > chosen).sum(dim=1) + 1).tolist()
+        tops: list[list[tuple[int, float]]] = [[] for _ in block]
+        if k > 0:
+            values, top_ids = lps.topk(k, dim=1)
+            tops = [
+                list(zip(i, v, strict=True))
+                for i, v in zip(top_ids.tolist(), values.tolist(), strict=True)
+            ]
+        for t, lp, rank, top in zip(block, chosen[:, 0].tolist(), ranks, tops, strict=True):
+            out.append(Logprobs(t, lp, rank, top))
+    return out
