@@ -3,7 +3,8 @@
     None                  -> the built-in default model (see default.py)
     path/to/folder        -> itself, if it holds config.json
     path/to/model.gguf    -> imported into <store>/<file stem>
-    org/name              -> Hugging Face hub snapshot in <store>/org--name (optionally pinned)
+    org/name              -> Hugging Face hub snapshot in <store>/org--name (optionally pinned;
+                             see hub.py)
 
 A spec that looks like a path but names nothing on disk is an error, never a hub lookup, so
 a typo in a local path does not turn into a confusing network failure.
@@ -15,66 +16,40 @@ import re
 from pathlib import Path
 
 from servelm.store.default import ensure_default_model
+from servelm.store.errors import HubUnavailableError, ModelNotFoundError, ModelSpecError
+from servelm.store.hub import HUB_PATTERNS, fetch_snapshot
 from servelm.store.paths import default_store_dir
 
-
-class ModelSpecError(ValueError):
-    """A model spec servelm cannot turn into a model folder (the user's to fix: the CLI prints
-    it without a traceback)."""
-
-
-class ModelNotFoundError(ModelSpecError, FileNotFoundError):
-    """A spec that looks like a path names nothing on disk."""
-
-
-class HubUnavailableError(ModelSpecError, ImportError):
-    """A hub id, without the optional huggingface-hub installed."""
+__all__ = [
+    "HUB_PATTERNS",
+    "HubUnavailableError",
+    "ModelNotFoundError",
+    "ModelSpecError",
+    "resolve_model",
+    "resolve_model_dir",
+]
 
 
 # Hub ids are "name" or "owner/name" made of letters, digits, "-", "_" and ".".
 _HUB_ID_RE = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
-HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*"]
 
 
 def _looks_like_hub_id(spec: str) -> bool:
     return bool(_HUB_ID_RE.fullmatch(spec)) and ".." not in spec and not spec.endswith(".gguf")
 
 
-def _snapshot(repo_id: str, store: Path, revision: str | None) -> Path:
-    try:
-        import huggingface_hub
-        from huggingface_hub.utils import RepositoryNotFoundError, RevisionNotFoundError
-    except ImportError as exc:
-        raise HubUnavailableError(
-            f"downloading {repo_id!r} from the Hugging Face hub needs the optional "
-            "dependency huggingface-hub: pip install 'servelm[hub]'"
-        ) from exc
-    local_dir = store / repo_id.replace("/", "--")
-    try:
-        path = huggingface_hub.snapshot_download(
-            repo_id, revision=revision, local_dir=local_dir, allow_patterns=HUB_PATTERNS
-        )
-    except (RepositoryNotFoundError, RevisionNotFoundError) as exc:
-        where = f" at revision {revision!r}" if revision else ""
-        # Gated/private repos raise a subclass of RepositoryNotFoundError: name the class.
-        raise ModelSpecError(
-            f"{repo_id!r}{where} is neither a local path nor a model on the Hugging Face hub "
-            f"({type(exc).__name__})"
-        ) from exc
-    folder = Path(path)
-    if not (folder / "config.json").is_file():
-        raise ModelSpecError(
-            f"hub repo {repo_id!r} has no config.json; it is not a transformers model"
-        )
-    return folder
-
-
 def resolve_model(
-    spec: str | None, store_dir: str | Path | None = None, revision: str | None = None
+    spec: str | None,
+    store_dir: str | Path | None = None,
+    revision: str | None = None,
+    *,
+    rehash: bool = False,
 ) -> Path:
     """Return a local folder holding config.json, weights and tokenizer for `spec`.
 
-    `revision` (branch, tag or commit) applies to hub ids only. Raises FileNotFoundError for a
+    `revision` (branch, tag or commit) applies to hub ids only. `rehash`: a hub snapshot the
+    store already holds is hashed again before it is trusted (`servelm fetch`; a start of
+    `servelm serve` checks sizes only). Raises FileNotFoundError for a
     path that does not exist (`ModelNotFoundError`), `ModelSpecError` (a ValueError) for
     anything else that is not a model, or a hub id without huggingface-hub installed.
     """
@@ -100,7 +75,7 @@ def resolve_model(
         return import_gguf(path, store / path.stem)
     if not _looks_like_hub_id(spec):
         raise ModelNotFoundError(f"no such model file or folder: {spec}")
-    return _snapshot(spec, store, revision)
+    return fetch_snapshot(spec, store, revision, rehash=rehash)
 
 
 def resolve_model_dir(args) -> Path:

@@ -1,9 +1,11 @@
-"""Checksums for model folders: the `servelm_import.json` manifest written after an import.
+"""Checksums for model folders: the `servelm_import.json` manifest written after an import or a
+hub fetch.
 
-A manifest names the source it was built from (file name + sha256) and the sha256 and size of
-every file the import wrote. It is the last file written into a folder, so "manifest present and
-every listed file present with its recorded size" means the folder is complete; hashing every
-file again (`verify_hashes=True`) is the slow, thorough check.
+A manifest names the source the folder was built from (a GGUF: its file name + sha256; a hub
+snapshot: the repo id + the commit it was fetched at) and the sha256 and size of every file the
+import or fetch wrote. It is the last file written into a folder, so "manifest present and every
+listed file present with its recorded size" means the folder is complete; hashing every file
+again (`verify_hashes=True`, `problems`, `servelm fetch --verify`) is the slow, thorough check.
 """
 
 from __future__ import annotations
@@ -27,6 +29,17 @@ def sha256_file(path: str | Path) -> str:
     return digest.hexdigest()
 
 
+def _write(
+    folder: Path, source: dict[str, str], files: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    manifest = {"format": MANIFEST_FORMAT, "source": source, "files": files}
+    # Through a temporary name: a reader sees the whole manifest or none.
+    partial = folder / f".{MANIFEST_NAME}.partial"
+    partial.write_text(json.dumps(manifest, indent=2) + "\n")
+    partial.replace(folder / MANIFEST_NAME)
+    return manifest
+
+
 def write_manifest(folder: Path, source_name: str, source_sha256: str) -> dict[str, Any]:
     """Hash every file in `folder` (not the manifest itself) and write the manifest last."""
     files = {
@@ -34,13 +47,15 @@ def write_manifest(folder: Path, source_name: str, source_sha256: str) -> dict[s
         for p in sorted(folder.iterdir())
         if p.is_file() and p.name != MANIFEST_NAME
     }
-    manifest = {
-        "format": MANIFEST_FORMAT,
-        "source": {"file": source_name, "sha256": source_sha256},
-        "files": files,
-    }
-    (folder / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
-    return manifest
+    return _write(folder, {"file": source_name, "sha256": source_sha256}, files)
+
+
+def write_snapshot_manifest(
+    folder: Path, repo_id: str, commit: str, files: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """The manifest of a hub snapshot: `files` maps each fetched file's repo path to its sha256
+    and size (already checked against the hub's own checksums by the caller)."""
+    return _write(folder, {"repo": repo_id, "revision": commit}, dict(sorted(files.items())))
 
 
 def read_manifest(folder: str | Path) -> dict[str, Any] | None:
@@ -79,3 +94,22 @@ def is_complete(
         if verify_hashes and sha256_file(path) != entry["sha256"]:
             return False
     return True
+
+
+def problems(folder: str | Path, verify_hashes: bool = True) -> dict[str, str]:
+    """What is wrong with `folder` against its manifest, by file name ("missing", "size ...,
+    expected ...", "sha256 differs from the manifest"); {} when intact."""
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    if manifest is None:
+        return {MANIFEST_NAME: "missing or unreadable (the fetch or import did not finish)"}
+    found = {}
+    for name, entry in manifest["files"].items():
+        path = folder / name
+        if not path.is_file():
+            found[name] = "missing"
+        elif path.stat().st_size != entry["size"]:
+            found[name] = f"size {path.stat().st_size}, expected {entry['size']}"
+        elif verify_hashes and sha256_file(path) != entry.get("sha256"):
+            found[name] = "sha256 differs from the manifest"
+    return found

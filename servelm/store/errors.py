@@ -1,0 +1,16 @@
+"""The store's user-facing errors (the CLI prints them without a traceback)."""
+
+from __future__ import annotations
+
+
+class ModelSpecError(ValueError):
+    """A model spec servelm cannot turn into a model folder (the user's to fix: the CLI prints
+    it without a traceback)."""
+
+
+class ModelNotFoundError(ModelSpecError, FileNotFoundError):
+    """A spec that looks like a path names nothing on disk."""
+
+
+class HubUnavailableError(ModelSpecError, ImportError):
+    """A hub id, without the optional huggingface-hub installed."""
