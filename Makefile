@@ -36,6 +36,7 @@ serve: install
 
 test: install-test
 	$(VENV)/bin/servelm fetch
+	sh deploy/tools/install-prometheus.sh
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-all:
