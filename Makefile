@@ -37,6 +37,7 @@ serve: install
 test: install-test
 	$(VENV)/bin/servelm fetch
 	sh deploy/tools/install-prometheus.sh
+	bash deploy/tools/install-helm.sh
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-all:
