@@ -108,6 +108,8 @@ class SamplingFields(RequestBody):
     include_stop_str_in_output: bool = False
     user: str | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    # vLLM's extension: the prompt's logprobs (and top N) in each choice's `prompt_logprobs`
+    prompt_logprobs: int | None = None
     # Structured outputs (server/structured.py): OpenAI's, and vLLM's body extensions.
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -138,7 +140,7 @@ class ChatCompletionRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool = False  # the text (and the logprobs) start with the prompt's
     # accepted so that what servelm cannot honour is refused by name (serving_completion)
     suffix: str | None = None
     best_of: int | None = None

@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
@@ -143,7 +143,17 @@ class OpenAIServing:
         max_tokens: int | None,
         logprobs: int | None,
         structured_output: StructuredOutput | None = None,
+        prompt_logprobs: int | None = None,
+        echo: bool = False,
     ) -> SamplingParams:
+        """`prompt_logprobs`: how many top tokens the engine reports at each prompt position
+        (None: the prompt is not scored); `echo`: max_tokens may be 0 (only the prompt)."""
+        if max_tokens is not None and max_tokens < 1 and not (echo and max_tokens == 0):
+            raise APIError(
+                400,
+                f"max_tokens must be at least 1 (0 only with echo), got {max_tokens}.",
+                "max_tokens",
+            )
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         try:
             return default_sampling_params(
@@ -167,6 +177,7 @@ class OpenAIServing:
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 logit_bias=self._logit_bias(req.logit_bias),
                 structured_output=structured_output,
+                prompt_logprobs=prompt_logprobs,
             )
         except InvalidParamError as exc:
             raise APIError(400, exc.message, exc.param) from None
@@ -227,6 +238,27 @@ class OpenAIServing:
     def check_logprobs(k: int | None, param: str) -> None:
         if k is not None and not 0 <= k <= MAX_LOGPROBS:
             raise APIError(400, f"{param} must be between 0 and {MAX_LOGPROBS}, got {k}.", param)
+
+    def prompt_logprobs_json(
+        self, entries: list[Logprobs | None], k: int
+    ) -> list[dict[str, dict[str, Any]] | None]:
+        """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: {logprob,
+        rank, decoded_token}} for the prompt's token and the `k` most likely there."""
+        dec = self.tokenizer.decode
+        out: list[dict[str, dict[str, Any]] | None] = []
+        for lp in entries:
+            if lp is None:
+                out.append(None)
+                continue
+            ranked = [(lp.token_id, lp.logprob, lp.rank)]  # the prompt's token first
+            ranked += [(t, v, r) for r, (t, v) in enumerate(lp.top[:k], start=1)]
+            out.append(
+                {
+                    str(t): {"logprob": v, "rank": r, "decoded_token": dec([t], False)}
+                    for t, v, r in ranked
+                }
+            )
+        return out
 
     def run_choices(
         self, request_id: str, prompts: list[list[int]], params: SamplingParams, priority: int
@@ -316,13 +348,17 @@ class Collected:
     reasons: list[str | None]
     logprobs: list[list[Logprobs]]
     usage: dict[str, Any]
+    prompt_logprobs: list[list[Logprobs | None] | None] = field(default_factory=list)
 
 
 async def collect(choices: Choices, n: int, num_prompt: int) -> Collected:
     texts, reasons = [""] * n, [None] * n
     lps: list[list[Logprobs]] = [[] for _ in range(n)]
+    prompt_lps: list[list[Logprobs | None] | None] = [None] * n
     completion_tokens, cached = 0, 0
     async for i, delta in choices:
+        if delta.prompt_logprobs is not None:
+            prompt_lps[i] = delta.prompt_logprobs
         texts[i] += delta.text
         completion_tokens += len(delta.token_ids)
         cached = max(cached, delta.num_cached_tokens)
@@ -331,7 +367,7 @@ async def collect(choices: Choices, n: int, num_prompt: int) -> Collected:
             if delta.error:
                 raise APIError(500, delta.error)
             reasons[i] = delta.finish_reason
-    return Collected(texts, reasons, lps, usage(num_prompt, completion_tokens, cached))
+    return Collected(texts, reasons, lps, usage(num_prompt, completion_tokens, cached), prompt_lps)
 
 
 def chunk_writer(rid: str, object_name: str, created: int, model: str) -> Callable[..., str]:
@@ -365,7 +401,13 @@ async def stream_events(
             if delta.error:
                 yield error_event(500, delta.error)
                 break
-            if delta.text or delta.finished or delta.logprobs or delta.tool_calls:
+            if (
+                delta.text
+                or delta.finished
+                or delta.logprobs
+                or delta.tool_calls
+                or delta.prompt_logprobs
+            ):
                 yield chunk([choice_of(i, delta)])
         if include_usage:
             yield chunk([], usage=usage(num_prompt, completion_tokens, cached))

@@ -87,6 +87,7 @@ class ServingChat(OpenAIServing):
     async def create(self, req: ChatCompletionRequest, raw: Request):
         self.check_model(req.model)
         self.check_logprobs(req.top_logprobs, "top_logprobs")
+        self.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
         tools = resolve(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser)
         prompt_ids = await self.encode_messages(
             req.messages,
@@ -98,7 +99,11 @@ class ServingChat(OpenAIServing):
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         structure = await constrain(tools, await checked_structure(req))
         params = self.sampling_params(
-            req, req.max_completion_tokens or req.max_tokens, logprobs, structure
+            req,
+            req.max_completion_tokens or req.max_tokens,
+            logprobs,
+            structure,
+            prompt_logprobs=req.prompt_logprobs,
         )
         self.check_admission()
         rid = new_id("chatcmpl")
@@ -110,12 +115,29 @@ class ServingChat(OpenAIServing):
             if tools is not None:
                 choices = stream_tool_calls(choices, tools)
             body = self._stream(
-                rid, created, model, params.n, len(prompt_ids), choices, include_usage
+                rid,
+                created,
+                model,
+                params.n,
+                len(prompt_ids),
+                choices,
+                include_usage,
+                req.prompt_logprobs,
             )
             return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
         return JSONResponse(
             await cancel_on_disconnect(
-                raw, self._full(rid, created, model, params.n, len(prompt_ids), choices, tools)
+                raw,
+                self._full(
+                    rid,
+                    created,
+                    model,
+                    params.n,
+                    len(prompt_ids),
+                    choices,
+                    tools,
+                    req.prompt_logprobs,
+                ),
             )
         )
 
@@ -129,43 +151,64 @@ class ServingChat(OpenAIServing):
         return entry
 
     async def _full(
-        self, rid, created, model, n, num_prompt, choices, tools: ToolSetup | None
+        self,
+        rid,
+        created,
+        model,
+        n,
+        num_prompt,
+        choices,
+        tools: ToolSetup | None,
+        prompt_logprobs: int | None = None,
     ) -> dict[str, Any]:
         done = await collect(choices, n, num_prompt)
         messages = [message_of(text, tools) for text in done.texts]
+        out = []
+        for i in range(n):
+            choice = {
+                "index": i,
+                "message": messages[i][0],
+                "logprobs": self._logprobs(done.logprobs[i]) if done.logprobs[i] else None,
+                "finish_reason": finish_reason(done.reasons[i], messages[i][1]),
+            }
+            if prompt_logprobs is not None and done.prompt_logprobs[i] is not None:
+                choice["prompt_logprobs"] = self.prompt_logprobs_json(
+                    done.prompt_logprobs[i], prompt_logprobs
+                )
+            out.append(choice)
         return {
             "id": rid,
             "object": "chat.completion",
             "created": created,
             "model": model,
-            "choices": [
-                {
-                    "index": i,
-                    "message": messages[i][0],
-                    "logprobs": self._logprobs(done.logprobs[i]) if done.logprobs[i] else None,
-                    "finish_reason": finish_reason(done.reasons[i], messages[i][1]),
-                }
-                for i in range(n)
-            ],
+            "choices": out,
             "usage": done.usage,
         }
 
     def _logprobs(self, lps: list[Logprobs]) -> dict[str, Any]:
         return {"content": [self._logprobs_entry(lp) for lp in lps]}
 
-    def _stream(self, rid, created, model, n, num_prompt, choices, include_usage):
+    def _stream(
+        self, rid, created, model, n, num_prompt, choices, include_usage, prompt_logprobs=None
+    ):
         chunk = chunk_writer(rid, "chat.completion.chunk", created, model)
 
         def choice_of(i: int, delta) -> dict[str, Any]:
             d: dict[str, Any] = {"content": delta.text} if delta.text else {}
             if delta.tool_calls:
                 d["tool_calls"] = delta.tool_calls
-            return {
+            choice = {
                 "index": i,
                 "delta": d,
                 "logprobs": self._logprobs(delta.logprobs) if delta.logprobs else None,
                 "finish_reason": delta.finish_reason,
             }
+            if prompt_logprobs is not None and delta.prompt_logprobs is not None:
+                # (in the choice's first chunk with content, as vLLM sends it)
+                choice["prompt_logprobs"] = self.prompt_logprobs_json(
+                    delta.prompt_logprobs, prompt_logprobs
+                )
+            return choice
 
         role = {"role": "assistant", "content": ""}
         first = (

@@ -1,8 +1,15 @@
-"""POST /v1/completions: prompts as a string, strings, token ids or lists of token ids."""
+"""POST /v1/completions: prompts as a string, strings, token ids or lists of token ids.
+
+`echo` puts the prompt before each choice's text and, with `logprobs`, its tokens before the
+generated ones in the logprobs (the first token's logprob null): what evaluation harnesses
+score a continuation by. With echo, `max_tokens` may be 0: the prompt is scored, nothing
+generated. Both, and vLLM's `prompt_logprobs`, ask the engine for the prompt's logprobs.
+"""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -23,6 +30,17 @@ from servelm.server.sse import SSE_HEADERS
 from servelm.server.structured import checked_structure
 
 MAX_PROMPTS = 64
+
+
+@dataclass
+class Shape:
+    """What each choice's body holds besides the generated text: per choice the prompt's ids
+    and text (`echo`), and how many top logprobs each part asks."""
+
+    prompt_ids: list[list[int]]  # per choice
+    echo_texts: list[str] | None  # per choice, with echo
+    logprobs: int | None
+    prompt_logprobs: int | None
 
 
 class ServingCompletion(OpenAIServing):
@@ -53,27 +71,54 @@ class ServingCompletion(OpenAIServing):
     async def create(self, req: CompletionRequest, raw: Request):
         self.check_model(req.model)
         self.check_logprobs(req.logprobs, "logprobs")
+        self.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
         if req.suffix:
             raise APIError(400, "suffix is not supported.", "suffix")
         if req.best_of is not None and req.best_of > req.n:
             raise APIError(400, "best_of is not supported: ask for n choices instead.", "best_of")
         prompts = await self._prompts(req.prompt)
+        # the engine scores the prompt for echoed logprobs and for prompt_logprobs (the more of
+        # the two top-N; each part shows its own)
+        asks = [
+            k for k in (req.logprobs if req.echo else None, req.prompt_logprobs) if k is not None
+        ]
         params = self.sampling_params(
-            req, req.max_tokens, req.logprobs, await checked_structure(req)
+            req,
+            req.max_tokens,
+            req.logprobs,
+            await checked_structure(req),
+            prompt_logprobs=max(asks) if asks else None,
+            echo=req.echo,
         )
         self.check_admission()
         rid = new_id("cmpl")
         created = int(time.time())
+        n = params.n
+        shape = Shape(
+            [p for p in prompts for _ in range(n)],
+            [t for t in self._echo_texts(req.prompt, prompts) for _ in range(n)]
+            if req.echo
+            else None,
+            req.logprobs,
+            req.prompt_logprobs,
+        )
         choices = self.run_choices(rid, prompts, params, req.priority)
         num_prompt = sum(len(p) for p in prompts)
-        total = len(prompts) * params.n
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = self._stream(rid, created, total, num_prompt, choices, include_usage)
+            body = self._stream(rid, created, shape, num_prompt, choices, include_usage)
             return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
         return JSONResponse(
-            await cancel_on_disconnect(raw, self._full(rid, created, total, num_prompt, choices))
+            await cancel_on_disconnect(raw, self._full(rid, created, shape, num_prompt, choices))
         )
+
+    def _echo_texts(self, prompt: Any, prompts: list[list[int]]) -> list[str]:
+        """Each prompt as the text it was given, or its token ids decoded."""
+        if isinstance(prompt, str):
+            return [prompt]
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        return [self.tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts]
 
     def _logprobs(self, lps: list[Logprobs], offset: int) -> dict[str, Any]:
         dec = self.tokenizer.decode
@@ -91,39 +136,93 @@ class ServingCompletion(OpenAIServing):
             "text_offset": offsets,
         }
 
-    async def _full(self, rid, created, total, num_prompt, choices) -> dict[str, Any]:
+    def _prompt_logprobs(
+        self, ids: list[int], entries: list[Logprobs | None], k: int
+    ) -> dict[str, Any]:
+        """The echoed prompt's part of `logprobs`: its first token's logprob and top_logprobs
+        null (nothing precedes it), each other top_logprobs the k most likely and the prompt's
+        own token (as vLLM and OpenAI's legacy API), text_offset from the start of the prompt."""
+        dec = self.tokenizer.decode
+        tokens = [dec([t], skip_special_tokens=False) for t in ids]
+        offsets, offset = [], 0
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [None] + [lp.logprob for lp in entries[1:]],
+            "top_logprobs": [None]
+            + [
+                {**{dec([t], False): v for t, v in lp.top[:k]}, tokens[pos]: lp.logprob}
+                for pos, lp in enumerate(entries[1:], start=1)
+            ],
+            "text_offset": offsets,
+        }
+
+    def _choice_logprobs(
+        self, i: int, shape: Shape, prompt_lps, lps: list[Logprobs], offset: int
+    ) -> dict[str, Any] | None:
+        """A choice's (or a first chunk's) `logprobs`: with echo the prompt's part first."""
+        if shape.logprobs is None:
+            return None
+        gen = self._logprobs(lps, offset + (len(shape.echo_texts[i]) if prompt_lps else 0))
+        if not (shape.echo_texts is not None and prompt_lps):
+            return gen if lps else None
+        part = self._prompt_logprobs(shape.prompt_ids[i], prompt_lps, shape.logprobs)
+        return {key: part[key] + gen[key] for key in part}
+
+    async def _full(self, rid, created, shape: Shape, num_prompt, choices) -> dict[str, Any]:
+        total = len(shape.prompt_ids)
         done = await collect(choices, total, num_prompt)
+        out = []
+        for i in range(total):
+            prompt_lps = done.prompt_logprobs[i]
+            choice = {
+                "index": i,
+                "text": (shape.echo_texts[i] if shape.echo_texts else "") + done.texts[i],
+                "finish_reason": done.reasons[i],
+                "logprobs": self._choice_logprobs(i, shape, prompt_lps, done.logprobs[i], 0),
+            }
+            if shape.prompt_logprobs is not None and prompt_lps is not None:
+                choice["prompt_logprobs"] = self.prompt_logprobs_json(
+                    prompt_lps, shape.prompt_logprobs
+                )
+            out.append(choice)
         return {
             "id": rid,
             "object": "text_completion",
             "created": created,
             "model": self.state.model_name,
-            "choices": [
-                {
-                    "index": i,
-                    "text": done.texts[i],
-                    "finish_reason": done.reasons[i],
-                    "logprobs": self._logprobs(done.logprobs[i], 0) if done.logprobs[i] else None,
-                }
-                for i in range(total)
-            ],
+            "choices": out,
             "usage": done.usage,
         }
 
-    def _stream(self, rid, created, total, num_prompt, choices, include_usage):
+    def _stream(self, rid, created, shape: Shape, num_prompt, choices, include_usage):
         model = self.state.model_name
+        total = len(shape.prompt_ids)
         offsets = [0] * total  # each choice's text so far, for the logprobs' text_offset
+        echoed = [shape.echo_texts is None] * total  # whether the choice's prompt went out
 
         chunk = chunk_writer(rid, "text_completion", created, model)
 
         def choice_of(i: int, delta) -> dict[str, Any]:
-            lps = self._logprobs(delta.logprobs, offsets[i]) if delta.logprobs else None
-            offsets[i] += len(delta.text)
-            return {
+            text, prompt_lps = delta.text, None
+            if not echoed[i]:  # the choice's first chunk starts with its prompt
+                echoed[i] = True
+                text = shape.echo_texts[i] + text
+                prompt_lps = delta.prompt_logprobs
+            lps = self._choice_logprobs(i, shape, prompt_lps, delta.logprobs or [], offsets[i])
+            offsets[i] += len(text)
+            choice = {
                 "index": i,
-                "text": delta.text,
+                "text": text,
                 "finish_reason": delta.finish_reason,
                 "logprobs": lps,
             }
+            if shape.prompt_logprobs is not None and delta.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = self.prompt_logprobs_json(
+                    delta.prompt_logprobs, shape.prompt_logprobs
+                )
+            return choice
 
         return stream_events(choices, num_prompt, include_usage, chunk, choice_of)
