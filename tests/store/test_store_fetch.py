@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import types
 from pathlib import Path
 
 import platformdirs
 import pytest
 
 from servelm.store import command, fetch
-from servelm.store.fetch import HUB_PATTERNS, resolve_model
+from servelm.store.fetch import resolve_model
 from servelm.store.manifest import is_complete
 from servelm.store.paths import default_store_dir
 
@@ -70,51 +69,7 @@ def test_no_spec_means_default_model(monkeypatch, tmp_path):
     assert calls == [tmp_path]
 
 
-def _fake_hub(monkeypatch, calls: list) -> None:
-    hub = types.ModuleType("huggingface_hub")
-    utils = types.ModuleType("huggingface_hub.utils")
-
-    class RepositoryNotFoundError(Exception):
-        pass
-
-    class RevisionNotFoundError(Exception):
-        pass
-
-    utils.RepositoryNotFoundError = RepositoryNotFoundError
-    utils.RevisionNotFoundError = RevisionNotFoundError
-
-    def snapshot_download(repo_id, **kwargs):
-        calls.append((repo_id, kwargs))
-        if repo_id == "nobody/nothing":
-            raise RepositoryNotFoundError(repo_id)
-        local = Path(kwargs["local_dir"])
-        local.mkdir(parents=True, exist_ok=True)
-        (local / "config.json").write_text("{}")
-        return str(local)
-
-    hub.snapshot_download = snapshot_download
-    hub.utils = utils
-    monkeypatch.setitem(sys.modules, "huggingface_hub", hub)
-    monkeypatch.setitem(sys.modules, "huggingface_hub.utils", utils)
-
-
-def test_hub_id_is_downloaded_into_store(monkeypatch, tmp_path):
-    calls: list = []
-    _fake_hub(monkeypatch, calls)
-    folder = resolve_model("HuggingFaceTB/SmolLM2-360M", store_dir=tmp_path, revision="abc123")
-    assert folder == tmp_path / "HuggingFaceTB--SmolLM2-360M"
-    assert calls == [
-        (
-            "HuggingFaceTB/SmolLM2-360M",
-            {"revision": "abc123", "local_dir": folder, "allow_patterns": HUB_PATTERNS},
-        )
-    ]
-
-
-def test_unknown_hub_id_is_a_clear_error(monkeypatch, tmp_path):
-    _fake_hub(monkeypatch, [])
-    with pytest.raises(ValueError, match="neither a local path nor a model"):
-        resolve_model("nobody/nothing", store_dir=tmp_path)
+# Hub ids are fetched through the real huggingface_hub from a stand-in: test_hub_fetch.py.
 
 
 def test_hub_without_huggingface_hub_installed(monkeypatch, tmp_path):
