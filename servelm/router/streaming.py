@@ -127,7 +127,9 @@ async def relay(
             state.error = f"the replica failed mid-stream: {type(exc).__name__}: {exc}"
         if state.error is not None:
             state.outcome = "stream_error"
-            yield (error_event(503, f"{state.error} ({state.replica.url})") + DONE).encode()
+            yield (
+                error_event(503, f"{state.error} ({state.replica.url})", "replica_failed") + DONE
+            ).encode()
     finally:
         await state.close()
 

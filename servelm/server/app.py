@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import servelm
@@ -11,6 +11,18 @@ from servelm.server.auth import OPEN_PATHS, APIKeyMiddleware
 from servelm.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
 from servelm.server.errors import APIError, error_response, install_error_handlers
 from servelm.server.metrics import HTTPStatusMiddleware
+from servelm.server.openapi import (
+    GENERATE,
+    HEALTH,
+    MODEL,
+    TOKENS,
+    ChatCompletion,
+    Completion,
+    Detokenized,
+    Tokenized,
+    Version,
+    install_openapi,
+)
 from servelm.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -40,18 +52,18 @@ def build_app(
     tokenizer = state.engine.tokenizer
     app.state.servelm = state
 
-    @app.get("/health")
-    @app.get("/ping")
+    @app.get("/health", response_class=Response, responses=HEALTH)
+    @app.get("/ping", response_class=Response, responses=HEALTH)
     async def health() -> Response:
         if state.engine.is_alive:
             return Response(status_code=200)
         return error_response(503, f"engine is not running: {state.engine.dead_reason}")
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/version")
+    @app.get("/version", response_model=Version)
     async def version() -> dict:
         return {"version": servelm.__version__}
 
@@ -64,20 +76,20 @@ def build_app(
     async def models() -> ModelList:
         return ModelList(data=[card()])
 
-    @app.get("/v1/models/{model:path}")
+    @app.get("/v1/models/{model:path}", responses=MODEL)
     async def model(model: str) -> ModelCard:
         chat.check_model(model)
         return card()
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=ChatCompletion, responses=GENERATE)
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         return await chat.create(req, raw)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=Completion, responses=GENERATE)
     async def completions(req: CompletionRequest, raw: Request):
         return await completion.create(req, raw)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", response_model=Tokenized, responses=TOKENS)
     async def tokenize(req: TokenizeRequest) -> JSONResponse:
         chat.check_model(req.model)
         if req.messages is not None:  # counted as a chat completion would count them
@@ -90,11 +102,11 @@ def build_app(
             {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
         )
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", response_model=Detokenized, responses=TOKENS)
     async def detokenize(req: DetokenizeRequest) -> JSONResponse:
         chat.check_model(req.model)
-        if any(not 0 <= t < tokenizer.vocab_size for t in req.tokens):
-            raise APIError(400, f"token ids must be in [0, {tokenizer.vocab_size}).", "tokens")
+        chat.check_token_ids(req.tokens, "tokens")
         return JSONResponse({"prompt": tokenizer.decode(req.tokens, skip_special_tokens=False)})
 
+    install_openapi(app, bool(api_key), OPEN_PATHS, tokenizer.vocab_size)
     return app

@@ -1,4 +1,8 @@
-"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with the right status."""
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with the right status.
+
+`code` is always a string or null, as OpenAI's is (issue #32): a short name where the cause is one
+a client may act on (`context_length_exceeded`, `queue_full`, `model_not_found`, ...), else null.
+"""
 
 from __future__ import annotations
 
@@ -9,17 +13,32 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_server_error",
     503: "service_unavailable",
 }
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """What every error answer holds: documented in /openapi.json for each status it has."""
+
+    error: ErrorDetail
 
 
 class APIError(Exception):
@@ -44,7 +63,7 @@ def error_body(
             "message": message,
             "type": _TYPES.get(status, "invalid_request_error"),
             "param": param,
-            "code": code if code is not None else status,
+            "code": code,
         }
     }
 
@@ -73,9 +92,13 @@ def install_error_handlers(app: FastAPI) -> None:
         if first.get("type") == "json_invalid":
             return error_response(400, "Request body is not valid JSON.", None)
         param = loc[0] if loc else None
-        return error_response(
-            400, f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}", param
-        )
+        message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}"
+        got = first.get("input")
+        if str(first.get("type")).endswith("_type"):  # strict types: say what came instead
+            message += f"; got {_json_type(got)}"
+        elif isinstance(got, (int, float)) and not isinstance(got, bool):  # a bound: the value
+            message += f"; got {got}"
+        return error_response(400, message + ".", param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -91,7 +114,22 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
 
 
-async def send_error(send, status: int, message: str, code: str, headers=()) -> None:
+def _json_type(value: Any) -> str:
+    """What a parsed JSON value is, in JSON's words."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"a boolean ({json.dumps(value)})"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return "an array" if isinstance(value, list) else "an object"
+
+
+async def send_error(send, status: int, message: str, code: str | None, headers=()) -> None:
     """An OpenAI-shaped error straight through ASGI `send`, for middleware that answers before
     the application runs (API keys, body limits)."""
     body = json.dumps(error_body(status, message, None, code)).encode()

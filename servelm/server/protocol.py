@@ -4,21 +4,54 @@ Every string of a request body must be valid Unicode and every integer must fit 
 JSON can spell a lone surrogate (`"\\ud800"`), which Python keeps in a str but no tokenizer or
 encoder takes, and any integer, which the engine's messages cannot carry. A request holding
 either is refused as a whole, naming where.
+
+Types are strict (pydantic's strict mode, issue #32): a string is not a number (`"10"`), a boolean
+is not an integer nor a token id (`false`), a float is not an integer (`10.0`). The one coercion
+kept is JSON's own: an integer where a float is wanted (`"temperature": 1`, as clients send it).
+Simple bounds are declared on the fields, so that /openapi.json states them; SamplingParams
+checks them again for callers of the Python API.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
-from servelm.engine.sampling_params import INT64
+from servelm.engine.sampling_params import INT64, MAX_LOGPROBS, MAX_N
 from servelm.server.errors import APIError
 
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
+# A token id as the API takes it: below the vocabulary size too, which the server checks
+# (`OpenAIServing.check_token_ids`) since only it knows the vocabulary.
+TokenId = Annotated[int, Field(ge=0)]
+
+
+def _one_prompt_error(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    """A prompt that fits none of its four shapes gets one error saying what they are, not one
+    per shape tried."""
+    try:
+        return handler(value)
+    except ValidationError:
+        raise PydanticCustomError(
+            "prompt_type",
+            "must be a string, a list of strings, a list of token ids (integers >= 0) or a "
+            "list of such lists",
+        ) from None
 
 
 def _numbers_in_range(values: list[Any]) -> bool:
@@ -87,20 +120,20 @@ class SamplingFields(RequestBody):
     """Fields shared by chat and completions requests."""
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
+    max_tokens: int | None = Field(None, ge=0)  # 0: only with echo (serving checks)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
     seed: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    n: int = 1
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    stop_token_ids: list[TokenId] | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: int = Field(0, ge=0)
     priority: int = 0
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -115,21 +148,41 @@ class SamplingFields(RequestBody):
     structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
     guided_grammar: str | None = None
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 class ChatMessage(OpenAIModel):
-    model_config = ConfigDict(extra="allow")
-    role: str
+    # Documented as serving_chat checks it: only an assistant message may go without content.
+    model_config = ConfigDict(
+        extra="allow",
+        json_schema_extra={
+            "if": {"properties": {"role": {"not": {"const": "assistant"}}}},
+            "then": {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+        },
+    )
+    # checked in serving_chat (its message names the message); documented here
+    role: str = Field(json_schema_extra={"enum": list(ROLES)})
     content: str | list[dict[str, Any]] | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
+    model_config = ConfigDict(
+        json_schema_extra={  # in /openapi.json: a whole answer, and one streamed
+            "examples": [
+                {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8},
+                {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8,
+                 "stream": True, "stream_options": {"include_usage": True}},
+            ]
+        }
+    )  # fmt: skip
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     # tool calling (server/serving_tools.py)
     tools: list[dict[str, Any]] | None = None
@@ -138,8 +191,18 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {"prompt": "Once upon a time", "max_tokens": 8, "logprobs": 2},
+                {"prompt": [[1, 2, 3], [4, 5]], "max_tokens": 8, "stream": True},
+            ]
+        }
+    )
+    prompt: Annotated[
+        str | list[str] | list[TokenId] | list[list[TokenId]], WrapValidator(_one_prompt_error)
+    ]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False  # the text (and the logprobs) start with the prompt's
     # accepted so that what servelm cannot honour is refused by name (serving_completion)
     suffix: str | None = None
@@ -156,7 +219,7 @@ class TokenizeRequest(RequestBody):
 
 class DetokenizeRequest(RequestBody):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 class PromptTokensDetails(BaseModel):

@@ -155,6 +155,8 @@ class OpenAIServing:
                 "max_tokens",
             )
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if req.stop_token_ids:
+            self.check_token_ids(req.stop_token_ids, "stop_token_ids")
         try:
             return default_sampling_params(
                 self.tokenizer,
@@ -214,6 +216,14 @@ class OpenAIServing:
             chars, self.tokenizer.encode_chat, messages, add_generation_prompt, **kw
         )
 
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        """A 400 naming `param` unless every id is in the vocabulary (negative ones and those
+        that are not integers the request models refuse already)."""
+        vocab = self.tokenizer.vocab_size
+        if ids and not 0 <= min(ids) <= max(ids) < vocab:  # min/max: C speed on long prompts
+            bad = next(t for t in ids if not 0 <= t < vocab)
+            raise APIError(400, f"{param}: token ids must be in [0, {vocab}), got {bad}.", param)
+
     def _logit_bias(self, raw: dict[str, float] | None) -> dict[int, float] | None:
         """OpenAI's `{"token id": bias}` as {token id: bias}, every id in the vocabulary."""
         if not raw:
@@ -221,12 +231,12 @@ class OpenAIServing:
         vocab = self.tokenizer.vocab_size
         bias = {}
         for key, value in raw.items():
-            try:
-                token = int(key)
-            except ValueError:
+            # decimal digits only: int() would also take " 5", "+5", "5_0" and non-ASCII digits
+            if not (key.isascii() and key.isdigit()):
                 raise APIError(
                     400, f"logit_bias keys must be token ids, got {key!r}.", "logit_bias"
-                ) from None
+                )
+            token = int(key)
             if not 0 <= token < vocab:
                 raise APIError(
                     400, f"logit_bias token ids must be in [0, {vocab}), got {token}.", "logit_bias"

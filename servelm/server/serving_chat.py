@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from servelm.engine.outputs import Logprobs
 from servelm.server.errors import APIError
-from servelm.server.protocol import ChatCompletionRequest, ChatMessage
+from servelm.server.protocol import ROLES, ChatCompletionRequest, ChatMessage
 from servelm.server.serving import (
     OpenAIServing,
     cancel_on_disconnect,
@@ -32,8 +32,6 @@ from servelm.server.sse import SSE_HEADERS
 from servelm.server.structured import checked_structure
 from servelm.text.chat_template import ChatTemplateError
 from servelm.text.tool_prompt import prepare_messages
-
-ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:

@@ -59,12 +59,10 @@ class ServingCompletion(OpenAIServing):
             )
         if len(prompts) > MAX_PROMPTS:
             raise APIError(400, f"at most {MAX_PROMPTS} prompts per request.", "prompt")
-        vocab = self.tokenizer.vocab_size
         for ids in prompts:
             if not ids:
                 raise APIError(400, "prompt must not be empty.", "prompt")
-            if any(not 0 <= t < vocab for t in ids):
-                raise APIError(400, f"prompt token ids must be in [0, {vocab}).", "prompt")
+            self.check_token_ids(ids, "prompt")
             self.check_prompt_length(ids)
         return prompts
 

@@ -14,8 +14,8 @@ def event(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def error_event(status: int, message: str) -> str:
-    return event(error_body(status, message))
+def error_event(status: int, message: str, code: str | None = None) -> str:
+    return event(error_body(status, message, None, code))
 
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -60,7 +60,7 @@ def test_a_replica_dying_mid_stream_ends_with_an_error_event_and_done() -> None:
         collect(b'data: {"choices":[]}\n\n', b"data: {partial", fail=True)
     )
     events = body.decode().strip().split("\n\n")
-    assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == 503
+    assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == "replica_failed"
     assert events[-1] == "data: [DONE]"
     assert state.outcome == "stream_error" and replica.in_flight == 0 and finished
 

@@ -54,7 +54,7 @@ def test_invalid_values_are_400_naming_the_param(server, body, param):
         ("/completions", {"prompt": "hi", "seed": 2**63}, "seed", "64 bits"),
         ("/completions", {"prompt": "hi", "priority": 2**70}, "priority", "64 bits"),
         ("/completions", {"prompt": "hi", "max_tokens": 2**64}, "max_tokens", "64 bits"),
-        ("/completions", {"prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids", ">= 0"),
+        ("/completions", {"prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids", "greater than or equal to 0"),
         ("/completions", {"prompt": "hi", "logit_bias": {"abc": 5}}, "logit_bias", "'abc'"),
         ("/completions", {"prompt": "hi", "logit_bias": {"10000000": 5}}, "logit_bias", "[0, "),
         ("/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
@@ -168,6 +168,15 @@ def test_api_key_required(keyed_server):
     c = openai.OpenAI(base_url=keyed_server.base_url, api_key="bad", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         c.models.list()
+
+
+def test_keyed_document_says_bearer_and_401(keyed_server):
+    auth = {"Authorization": "Bearer sekrit"}
+    doc = httpx.get(keyed_server.url + "/openapi.json", headers=auth).json()
+    assert doc["components"]["securitySchemes"]["bearer"] == {"type": "http", "scheme": "bearer"}
+    chat = doc["paths"]["/v1/chat/completions"]["post"]
+    assert chat["security"] == [{"bearer": []}] and "401" in chat["responses"]
+    assert "security" not in doc["paths"]["/health"]["get"]  # probes stay open
 
 
 @pytest.fixture(scope="module")
