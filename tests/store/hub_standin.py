@@ -169,12 +169,16 @@ def _handler(hub: HubStandIn) -> type[BaseHTTPRequestHandler]:
 
         def _json(self, obj, headers: dict[str, str] | None = None) -> None:
             self._send(
-                200, {"Content-Type": "application/json", **(headers or {})}, json.dumps(obj).encode()
+                200,
+                {"Content-Type": "application/json", **(headers or {})},
+                json.dumps(obj).encode(),
             )
 
         def _error(self, status: int, code: str, extra: dict[str, str] | None = None) -> None:
             body = json.dumps({"error": code}).encode()
-            self._send(status, {"X-Error-Code": code, "X-Error-Message": code, **(extra or {})}, body)
+            self._send(
+                status, {"X-Error-Code": code, "X-Error-Message": code, **(extra or {})}, body
+            )
 
         def _commit(self, repo: Repo, rev: str) -> str | None:
             return repo.commit if rev in (repo.commit, *repo.branches) else None
