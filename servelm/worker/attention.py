@@ -245,46 +245,63 @@ class TorchPagedAttention:
             out[into] = self._decode(q[meta.decode_rows], k_cache, v_cache, meta, gqa)
         for chunk in meta.prefills:
             rows = slice(chunk.start, chunk.start + chunk.num_tokens)
-            queries, into, causal = rows, rows, chunk.causal
-            last_only = kept_only and not chunk.all_rows
-            if kept_only and chunk.kept < 0:
+            if not kept_only:
+                self._prefill(q, k, v, k_cache, v_cache, chunk, rows, rows, out, gqa)
                 continue
-            if kept_only and chunk.all_rows:  # every row, into its places among the kept rows
-                into = slice(chunk.kept + 1 - chunk.num_tokens, chunk.kept + 1)
-            if last_only:  # its last token alone, which sees the whole context
-                queries, into = slice(rows.stop - 1, rows.stop), slice(chunk.kept, chunk.kept + 1)
-                causal = None if causal is None else causal[-1:]
-            if self.prefill_kernel is not None:  # reads its K/V from the cache, stored above
-                self.prefill_kernel(
-                    q[queries],
-                    k_cache,
-                    v_cache,
-                    chunk.context_blocks,
-                    self.block_size,
-                    chunk.context_len,
-                    self.scale,
-                    out[into],
-                )
+            if chunk.kept < 0:  # samples nothing and scores nothing
                 continue
-            qp = q[queries].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-            if chunk.context_len == chunk.num_tokens:  # nothing cached before: its own K/V is all
-                kp, vp = k[rows], v[rows]
-            else:
-                kp = self._read_blocks(k_cache, chunk.context_blocks)[: chunk.context_len]
-                vp = self._read_blocks(v_cache, chunk.context_blocks)[: chunk.context_len]
-            kp = kp.transpose(0, 1).unsqueeze(0)
-            vp = vp.transpose(0, 1).unsqueeze(0)
-            op = F.scaled_dot_product_attention(
-                qp,
-                kp,
-                vp,
-                attn_mask=causal,
-                is_causal=causal is None and not last_only,  # one last query sees every key
-                scale=self.scale,
-                enable_gqa=gqa,
-            )
-            out[into] = op.squeeze(0).transpose(0, 1)
+            last, last_into = slice(rows.stop - 1, rows.stop), slice(chunk.kept, chunk.kept + 1)
+            if chunk.all_rows and chunk.num_tokens > 1:  # a scored prompt: its other rows too,
+                # attended apart from the last, which then takes the very path it takes alone
+                others = slice(rows.start, rows.stop - 1)
+                into = slice(chunk.kept + 1 - chunk.num_tokens, chunk.kept)
+                self._prefill(q, k, v, k_cache, v_cache, chunk, others, into, out, gqa, ends=1)
+            # its last token alone, which sees the whole context
+            self._prefill(q, k, v, k_cache, v_cache, chunk, last, last_into, out, gqa, last=True)
         return out
+
+    def _prefill(
+        self, q, k, v, k_cache, v_cache, chunk: PrefillChunk, queries, into, out, gqa,
+        last=False, ends=0,
+    ) -> None:  # fmt: skip
+        """Attention of a prompt chunk's `queries` (its rows, or its `last` row alone, or all
+        but the last `ends`) into `out[into]`."""
+        rows = slice(chunk.start, chunk.start + chunk.num_tokens)
+        causal = chunk.causal
+        if causal is not None and (last or ends):
+            causal = causal[-1:] if last else causal[:-ends]
+        if self.prefill_kernel is not None:  # reads its K/V from the cache, stored before
+            self.prefill_kernel(
+                q[queries],
+                k_cache,
+                v_cache,
+                chunk.context_blocks,
+                self.block_size,
+                chunk.context_len - ends,  # its queries are the context's last ones
+                self.scale,
+                out[into],
+            )
+            return
+        qp = q[queries].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+        if chunk.context_len == chunk.num_tokens:  # nothing cached before: its own K/V is all
+            kp, vp = k[rows], v[rows]
+        else:
+            kp = self._read_blocks(k_cache, chunk.context_blocks)[: chunk.context_len]
+            vp = self._read_blocks(v_cache, chunk.context_blocks)[: chunk.context_len]
+        kp = kp.transpose(0, 1).unsqueeze(0)
+        vp = vp.transpose(0, 1).unsqueeze(0)
+        op = F.scaled_dot_product_attention(
+            qp,
+            kp,
+            vp,
+            attn_mask=causal,
+            # one last query sees every key; the first n queries of a chunk see keys 0 .. own
+            # (SDPA's causal mask is aligned to the top left)
+            is_causal=causal is None and not last,
+            scale=self.scale,
+            enable_gqa=gqa,
+        )
+        out[into] = op.squeeze(0).transpose(0, 1)
 
     def _read_blocks(self, cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         """The tokens of `blocks`, in order, as [len(blocks) * block_size, Hkv, D]: one
