@@ -163,8 +163,9 @@ class ServingCompletion(OpenAIServing):
         """A choice's (or a first chunk's) `logprobs`: with echo the prompt's part first."""
         if shape.logprobs is None:
             return None
-        gen = self._logprobs(lps, offset + (len(shape.echo_texts[i]) if prompt_lps else 0))
-        if not (shape.echo_texts is not None and prompt_lps):
+        echoed = shape.echo_texts is not None and prompt_lps  # prompt_logprobs alone: not echoed
+        gen = self._logprobs(lps, offset + (len(shape.echo_texts[i]) if echoed else 0))
+        if not echoed:
             return gen if lps else None
         part = self._prompt_logprobs(shape.prompt_ids[i], prompt_lps, shape.logprobs)
         return {key: part[key] + gen[key] for key in part}
