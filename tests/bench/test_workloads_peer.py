@@ -40,3 +40,30 @@ def test_a_peer_is_started_from_its_command_line_measured_and_stopped(tiny_model
 def test_a_peers_start_up_is_timed_to_its_first_answer(tiny_model_dir, tmp_path):
     seconds = first_answer_s(tiny_model_dir, [], tmp_path / "start.log", 120, peer_command())
     assert 0 < seconds < 120
+
+
+def test_side_by_side_ratios_bracket_the_peer_with_both_servelm_runs():
+    from benchmarks.workloads import side_by_side_ratios
+
+    def r(who, tok_s, ttft, tpot):
+        return {"workload": "W2", "server": who, "output_throughput": tok_s,
+                "ttft_ms": {"p50": ttft}, "tpot_ms": {"p50": tpot}}  # fmt: skip
+
+    rows = [r("servelm", 300.0, 100.0, 10.0), r("peer", 100.0, 400.0, 40.0)]
+    rows.append(r("servelm", 250.0, 120.0, 12.0))
+    ratios = side_by_side_ratios(rows)["W2"]
+    assert ratios["out tok/s"] == [2.5, 3.0]
+    assert ratios["TTFT p50"] == [0.25, 0.3]
+    assert ratios["TPOT p50"] == [0.25, 0.3]
+
+
+def test_the_vllm_peer_needs_a_venv_and_says_so(tmp_path):
+    import pytest
+
+    from benchmarks.peers import peer_command
+
+    assert peer_command("llama-server --port {port}", None) == "llama-server --port {port}"
+    with pytest.raises(SystemExit, match="--peer-venv"):
+        peer_command("vllm", None)
+    with pytest.raises(SystemExit, match="no python"):
+        peer_command("vllm", tmp_path)
