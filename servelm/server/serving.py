@@ -148,6 +148,10 @@ class OpenAIServing:
     ) -> SamplingParams:
         """`prompt_logprobs`: how many top tokens the engine reports at each prompt position
         (None: the prompt is not scored); `echo`: max_tokens may be 0 (only the prompt)."""
+        if req.stream_options is not None and req.stream_options.continuous_usage_stats:
+            # (vLLM's usage in every chunk: not done here, so refused rather than ignored)
+            message = "stream_options.continuous_usage_stats is not supported."
+            raise APIError(400, message, "stream_options")
         if max_tokens is not None and max_tokens < 1 and not (echo and max_tokens == 0):
             raise APIError(
                 400,

@@ -191,3 +191,50 @@ def test_streamed_echo_equals_whole(client, tokenizer):
         n = len(tokenizer.encode(kw["prompt"][i]))
         assert lps[i]["text_offset"][:n] == choice.logprobs.text_offset[:n]
         assert lps[i]["text_offset"][n] == choice.logprobs.text_offset[n] == len(kw["prompt"][i])
+
+
+# -- a parameter servelm cannot honour is never ignored ---------------------------------------
+# Refused with a 400 naming the parameter: a body that asks for it.
+REFUSED = {
+    "suffix": ("/completions", {"prompt": "hi", "suffix": "!"}, "suffix"),
+    "best_of": ("/completions", {"prompt": "hi", "best_of": 3}, "best_of"),
+    "stream_options.continuous_usage_stats": (
+        "/completions",
+        {"prompt": "hi", "stream": True, "stream_options": {"continuous_usage_stats": True}},
+        "stream_options",
+    ),
+}
+# Accepted with nothing to do, by what the field is: OpenAI's `user` names the caller's end
+# user for the provider's abuse monitoring; the answer does not depend on it (as in vLLM).
+NOTHING_TO_DO = {"user"}
+
+
+def test_every_request_field_is_read_or_refused(server):
+    """Every field of the request models is read by the server's code, or refused by name
+    when a request sets it (REFUSED, checked live), or is metadata with nothing to honour."""
+    import re
+    from pathlib import Path
+
+    from servelm.server import protocol
+
+    code = "".join(
+        p.read_text()
+        for p in Path(protocol.__file__).parent.glob("*.py")
+        if p.name != "protocol.py"
+    )
+    fields = set()
+    for model in (protocol.CompletionRequest, protocol.ChatCompletionRequest):
+        fields |= set(model.model_fields)
+    fields |= {f"stream_options.{f}" for f in protocol.StreamOptions.model_fields}
+    for name in sorted(fields - NOTHING_TO_DO):
+        if name in REFUSED:
+            path, body, param = REFUSED[name]
+            r = httpx.post(server.base_url + path, json={**body, "max_tokens": 1}, timeout=30)
+            assert r.status_code == 400, (name, r.text)
+            assert r.json()["error"]["param"] == param, (name, r.text)
+            continue
+        leaf = name.rsplit(".", 1)[-1]
+        assert re.search(rf"\.{leaf}\b|[\"']{leaf}[\"']", code), (
+            f"request field {name!r} is accepted but nothing in servelm/server reads it: "
+            "implement it or refuse it by name (REFUSED)"
+        )
