@@ -166,6 +166,20 @@ def test_prompt_logprobs_on_both_endpoints(client, tokenizer, server):
     assert "prompt_logprobs" not in (r.choices[0].model_extra or {})
 
 
+def test_prompt_logprobs_with_logprobs_without_echo(client, tokenizer):
+    """The prompt's scores go to prompt_logprobs alone: logprobs cover the answer only."""
+    ids = tokenizer.encode(PROMPT)
+    kw = dict(model="tiny", prompt=PROMPT, max_tokens=3, temperature=0, logprobs=1)
+    kw |= dict(extra_body={"ignore_eos": True, "prompt_logprobs": 1})
+    r = client.completions.create(**kw)
+    choice = r.choices[0]
+    assert len(choice.logprobs.tokens) == 3 and choice.logprobs.text_offset[0] == 0
+    assert len(choice.model_extra["prompt_logprobs"]) == len(ids)
+    chunks = [c.choices[0] for c in client.completions.create(**kw, stream=True) if c.choices]
+    assert sum(len(c.logprobs.tokens) for c in chunks if c.logprobs) == 3
+    assert [c.model_extra.get("prompt_logprobs") is not None for c in chunks].count(True) == 1
+
+
 def test_streamed_echo_equals_whole(client, tokenizer):
     kw = dict(model="tiny", prompt=[PROMPT, "Another prompt"], max_tokens=4, temperature=0)
     kw |= dict(echo=True, logprobs=1, extra_body={"ignore_eos": True})
