@@ -34,6 +34,15 @@ class ModelSpec:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     sliding_window: int | None = None
+    # Per-layer attention window in tokens (None: the layer attends to the whole context); empty
+    # when no layer has one. The attention backends and the KV cache read it through `window`.
+    layer_windows: tuple[int | None, ...] = ()
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    attn_logit_softcap: float | None = None  # tanh soft-capping of attention scores (Gemma 2)
+    final_logit_softcap: float | None = None  # tanh soft-capping of the logits (Gemma 2)
+
+    def window(self, layer_idx: int) -> int | None:
+        return self.layer_windows[layer_idx] if self.layer_windows else None
 
     @property
     def q_size(self) -> int:

@@ -253,7 +253,7 @@ def build_model(
     exact Q8_0 copy of the logits head where the checkpoint's head is one.
     """
     from servelm.model.layers.rotary import RotaryEmbedding
-    from servelm.model.llama import LlamaForCausalLM
+    from servelm.model.registry import model_class
 
     if quantization == "int4" and (device.type, dtype) != ("cpu", torch.bfloat16):
         raise ValueError(
@@ -269,7 +269,7 @@ def build_model(
     # Parameters are made on the meta device (no memory, no initialisation), given their
     # dtype there, then allocated once on the device and filled from the checkpoint.
     with torch.device("meta"):
-        model = LlamaForCausalLM(spec, max_positions, rope)
+        model = model_class(spec)(spec, max_positions, rope)
     linears = int4_linears(model, dtype, device) if int4 else {}
     kept = None
     if int4 and quant_kernel is not None:
