@@ -164,6 +164,14 @@ class LlamaForCausalLM(nn.Module):
             x, delta = layer(x, delta, cos_sin, attn, kept_only=i == len(self.layers) - 1)
         return self.norm(x, delta)[0]
 
+    def c_layer_loop(self) -> bool:
+        """Whether servelm/kernels/decode_stack.c, which runs the plain Llama layer (full
+        attention at the default scale), can run this model's layers. A family that changes the
+        layer in any way (norms, activation, MoE, windows, soft-capping) answers False."""
+        spec = self.spec
+        plain = not any(spec.layer_windows) and spec.attn_scale is None
+        return plain and spec.attn_logit_softcap is None and type(self) is LlamaForCausalLM
+
     def use_cpu_ops(self, ops: CpuOps | None) -> None:
         """Run the norms, rotary and SiLU-and-multiply as fused C ops (None: torch ops)."""
         self.cpu_ops = ops

@@ -118,6 +118,8 @@ class DecodeStack:
         ops, decode = model.cpu_ops, attn.decode_kernel
         if ops is None or decode is None or decode.dtype != torch.bfloat16:
             return None
+        if not model.c_layer_loop():  # a family whose layers do more than the Llama layer's
+            return None
         norms = [model.norm.weight]
         for layer in model.layers:
             norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
