@@ -156,13 +156,47 @@ MODELS: dict[str, ModelShape] = {
             vocab=49152,
             ctx=8192,
         ),
+        # Mixtures of experts: every expert counts in the weights, experts_per_tok in compute.
+        ModelShape(
+            "mixtral-8x7b",
+            32,
+            4096,
+            14336,
+            32,
+            8,
+            128,
+            32000,
+            False,
+            32768,
+            hf_id="mistralai/Mixtral-8x7B-Instruct-v0.1",
+            num_experts=8,
+            experts_per_tok=2,
+            moe_intermediate_size=14336,
+        ),
+        ModelShape(
+            "qwen3-30b-a3b",
+            48,
+            2048,
+            6144,  # the dense width no layer uses (mlp_only_layers is empty)
+            32,
+            4,
+            128,
+            151936,
+            False,
+            40960,
+            hf_id="Qwen/Qwen3-30B-A3B",
+            qk_norm=True,
+            num_experts=128,
+            experts_per_tok=8,
+            moe_intermediate_size=768,
+        ),
     )
 }
 
 
 def _normalise(name: str) -> str:
     name = name.lower().rsplit("/", 1)[-1].replace("meta-llama-", "llama-")
-    for suffix in ("-instruct-v0.3", "-instruct", "-v0.3"):
+    for suffix in ("-instruct-v0.3", "-instruct-v0.1", "-instruct", "-v0.3", "-v0.1"):
         name = name.removesuffix(suffix)
     return name
 

@@ -100,6 +100,13 @@ def _rate(bytes_per_s: float) -> str:
     return f"{bytes_per_s / GB:g} GB/s" if bytes_per_s >= GB else f"{bytes_per_s / 1e6:g} MB/s"
 
 
+def _params(total: int, active: int) -> str:
+    """A mixture of experts holds every expert but runs a token through a few."""
+    if active == total:
+        return f"{total / 1e9:.2f} B"
+    return f"{total / 1e9:.2f} B ({active / 1e9:.2f} B active)"
+
+
 def plan_table(p: Plan) -> Table:
     """A two-column rich table of one plan."""
     title = f"{p.model} on {p.tp} x {p.gpu}  ({p.weight_dtype} weights, {p.kv_dtype} KV)"
@@ -120,7 +127,7 @@ def plan_table(p: Plan) -> Table:
     table.add_column("quantity", style="bold")
     table.add_column("value")
     rows = [
-        ("Parameters", f"{p.num_params / 1e9:.2f} B"),
+        ("Parameters", _params(p.num_params, p.active_params)),
         ("Weights / GPU", f"{_gb(p.weight_bytes)}  (all GPUs {_gb(p.weight_bytes_total)})"),
         ("Heads / GPU", f"{p.q_heads_per_gpu} query, {p.kv_heads_per_gpu} KV"),
         (
@@ -157,7 +164,7 @@ def _catalog_table() -> Table:
         table.add_column(col)
     for key, m in MODELS.items():
         ctx = f"{m.num_layers} layers, heads {m.num_heads}/{m.num_kv_heads}, {m.max_context:,} ctx"
-        table.add_row(key, "model", f"{m.num_params() / 1e9:.2f} B", ctx)
+        table.add_row(key, "model", _params(m.num_params(), m.active_params()), ctx)
     for key, g in GPUS.items():
         fp8 = f", fp8 {g.fp8_flops / 1e12:,.0f}" if g.fp8_flops else ""
         notes = f"{g.mem_bandwidth / GB:,.0f} GB/s, TFLOP/s bf16 {g.bf16_flops / 1e12:,.0f}{fp8}"

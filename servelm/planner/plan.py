@@ -66,6 +66,7 @@ class Plan:
     typical_len: int
     block_size: int
     num_params: int
+    active_params: int  # what one token is computed with (a mixture's chosen experts only)
     gpu_memory_bytes: float
     usable_bytes: float
     allowance_bytes: float
@@ -149,6 +150,7 @@ def plan(
         typical_len=typical_len,
         block_size=block_size,
         num_params=model.num_params(),
+        active_params=model.active_params(),
         gpu_memory_bytes=gpu.memory_bytes,
         usable_bytes=usable,
         allowance_bytes=allowance_bytes,

@@ -5,6 +5,11 @@ Qwen2): every layer has q/k/v/o attention projections with grouped-query KV head
 a gated MLP (gate, up, down) and two RMSNorms. Parameter counts are derived from the
 shape, never typed in, so the catalog and a local config.json go through the same math.
 
+A mixture of experts (Mixtral, Qwen3-MoE) replaces the MLP of its sparse layers with
+`num_experts` gated MLPs of width `moe_intermediate_size` and a router, of which each
+token runs `experts_per_tok`: weight memory counts every expert (`num_params`), per-token
+compute only the active ones (`active_params`, `layer_linear_params(active=True)`).
+
 Sizes are per dtype and per tensor-parallel rank:
 
 - Quantised weight dtypes (fp8, int8, int4) apply to the linear layers inside the
@@ -56,6 +61,13 @@ class ModelShape:
     o_bias: bool = False  # Llama `attention_bias=True` also puts one on o_proj
     mlp_bias: bool = False
     hf_id: str = ""  # where the catalog entry's numbers come from
+    qk_norm: bool = False  # per-head RMSNorm weights on q and k (Qwen3)
+    # Mixture of experts (0 experts: dense); `dense_layers` keep the dense MLP (Qwen3-MoE's
+    # mlp_only_layers / decoder_sparse_step).
+    num_experts: int = 0
+    experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    dense_layers: int = 0
 
     # -- parameter counts -------------------------------------------------------------
     def attention_params(self) -> tuple[int, int]:
@@ -71,6 +83,21 @@ class ModelShape:
         bias = 2 * self.intermediate_size + self.hidden_size if self.mlp_bias else 0
         return 3 * self.hidden_size * self.intermediate_size + bias
 
+    def sparse_layers(self) -> int:
+        """Layers whose MLP is the mixture of experts."""
+        return self.num_layers - self.dense_layers if self.num_experts else 0
+
+    def moe_params(self, active: bool = False) -> int:
+        """One sparse layer's router + experts (`active`: the experts one token runs)."""
+        expert = 3 * self.hidden_size * self.moe_intermediate_size
+        experts = self.experts_per_tok if active else self.num_experts
+        return self.num_experts * self.hidden_size + experts * expert
+
+    def all_mlp_params(self, active: bool = False) -> int:
+        """The MLPs of every layer, dense and sparse (`active`: what one token runs)."""
+        sparse = self.sparse_layers()
+        return (self.num_layers - sparse) * self.mlp_params() + sparse * self.moe_params(active)
+
     def embedding_params(self) -> int:
         return self.vocab_size * self.hidden_size
 
@@ -79,11 +106,13 @@ class ModelShape:
         return 0 if self.tie_embeddings else self.embedding_params()
 
     def norm_params(self) -> int:
-        return (2 * self.num_layers + 1) * self.hidden_size
+        qk = 2 * self.num_layers * self.head_dim if self.qk_norm else 0
+        return (2 * self.num_layers + 1) * self.hidden_size + qk
 
-    def layer_linear_params(self) -> int:
-        """All matmul weights inside the decoder blocks (what quantisation touches)."""
-        return self.num_layers * (sum(self.attention_params()) + self.mlp_params())
+    def layer_linear_params(self, active: bool = False) -> int:
+        """All matmul weights inside the decoder blocks (what quantisation touches);
+        `active`: those one token multiplies by (the chosen experts only)."""
+        return self.num_layers * sum(self.attention_params()) + self.all_mlp_params(active)
 
     def num_params(self) -> int:
         """Total stored parameters (a tied LM head counted once)."""
@@ -94,15 +123,21 @@ class ModelShape:
             + self.norm_params()
         )
 
+    def active_params(self) -> int:
+        """Parameters one token is computed with: all but the experts it is not routed to
+        (equal to `num_params` for a dense model)."""
+        return self.num_params() - self.layer_linear_params() + self.layer_linear_params(True)
+
     # -- tensor parallelism -------------------------------------------------------------
     def check_tp(self, tp: int) -> None:
         """Raise ShapeError unless `tp` ranks can split this model's heads and MLP."""
         if tp < 1:
             raise ShapeError(f"tensor parallel size must be >= 1, got {tp}")
-        if self.num_heads % tp or self.intermediate_size % tp:
+        if self.num_heads % tp or self.intermediate_size % tp or self.moe_intermediate_size % tp:
             raise ShapeError(
                 f"{self.name}: {self.num_heads} query heads / intermediate "
-                f"{self.intermediate_size} do not split across {tp} GPUs"
+                f"{self.intermediate_size} / expert intermediate {self.moe_intermediate_size} "
+                f"do not split across {tp} GPUs"
             )
         if self.num_kv_heads % tp and tp % self.num_kv_heads:
             raise ShapeError(
@@ -123,7 +158,8 @@ class ModelShape:
         q_o, k_v = self.attention_params()
         # k/v projections follow the KV heads: split, or one head's worth replicated.
         k_v_per_gpu = k_v * kv_heads // self.num_kv_heads
-        linear = self.num_layers * ((q_o + self.mlp_params()) / tp + k_v_per_gpu)
+        # Every expert is held (each rank a 1/tp slice of each), whichever a token runs.
+        linear = self.num_layers * (q_o / tp + k_v_per_gpu) + self.all_mlp_params() / tp
         embed = (self.embedding_params() + self.lm_head_params()) / tp
         return linear * WEIGHT_BYTES[dtype] + (embed + self.norm_params()) * UNQUANTISED_BYTES
 
@@ -158,10 +194,33 @@ def shape_from_config(config: dict, name: str = "model") -> ModelShape:
             qkv_bias=config.get("model_type") == "qwen2" or bool(config.get("attention_bias")),
             o_bias=bool(config.get("attention_bias")),
             mlp_bias=bool(config.get("mlp_bias")),
+            qk_norm=config.get("model_type") in ("qwen3", "qwen3_moe"),
+            **_moe_shape(config),
         )
     except KeyError as exc:
         raise ShapeError(f"config.json for {name} lacks {exc.args[0]!r}") from exc
     return shape
+
+
+def _moe_shape(config: dict) -> dict:
+    """The mixture-of-experts numbers of a Mixtral / Qwen3-MoE config.json (none if dense)."""
+    experts = int(config.get("num_local_experts") or config.get("num_experts") or 0)
+    if not experts:
+        return {}
+    layers = int(config["num_hidden_layers"])
+    # Qwen3-MoE: layer i is sparse every decoder_sparse_step unless in mlp_only_layers.
+    dense = set(config.get("mlp_only_layers") or ())
+    step = int(config.get("decoder_sparse_step") or 1)
+    sparse = sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
+    return dict(
+        num_experts=experts,
+        experts_per_tok=int(config["num_experts_per_tok"]),
+        # Mixtral's experts are intermediate_size wide; Qwen3-MoE names their width apart.
+        moe_intermediate_size=int(
+            config.get("moe_intermediate_size") or config["intermediate_size"]
+        ),
+        dense_layers=layers - sparse,
+    )
 
 
 def shape_from_folder(path: str | Path) -> ModelShape:

@@ -191,9 +191,9 @@ class ModelCost:
     ) -> ModelCost:
         q_heads, kv_heads = shape.heads_per_gpu(tp)
         q_o, k_v = shape.attention_params()
-        linear = shape.num_layers * (
-            (q_o + shape.mlp_params()) / tp + k_v * kv_heads // shape.num_kv_heads
-        )
+        # A mixture of experts multiplies each token by its chosen experts only.
+        linear = shape.num_layers * (q_o / tp + k_v * kv_heads // shape.num_kv_heads)
+        linear += shape.all_mlp_params(active=True) / tp
         # An untied input embedding is only gathered row by row, never streamed whole.
         untied_embedding = 0 if shape.tie_embeddings else shape.embedding_params() / tp
         return cls(

@@ -21,6 +21,8 @@ PUBLISHED = {
     "qwen2.5-72b": 72_706_203_648,
     "mistral-7b": 7_248_023_552,
     "smollm2-135m": 134_515_008,
+    "mixtral-8x7b": 46_702_792_704,  # every expert counted
+    "qwen3-30b-a3b": 30_532_122_624,
 }
 
 
