@@ -38,6 +38,7 @@ test: install-test
 	$(VENV)/bin/servelm fetch
 	sh deploy/tools/install-prometheus.sh
 	bash deploy/tools/install-helm.sh
+	sh deploy/tools/install-chromium.sh
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-all:

@@ -22,6 +22,7 @@ import zmq.asyncio
 
 from servelm.config import EngineArgs
 from servelm.engine.core_process import run_engine_core
+from servelm.engine.dashboard import DashboardSnapshot
 from servelm.engine.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -51,6 +52,8 @@ class AsyncEngineClient:
         self.dead_reason: str | None = None
         self.stats_listeners: list[Callable[[SchedulerStats], None]] = []
         self.last_stats: SchedulerStats | None = None  # the engine's, after its latest step
+        # Called with each dashboard snapshot (sent only after `watch_dashboard`).
+        self.dashboard_listeners: list[Callable[[DashboardSnapshot], None]] = []
         self._queues: dict[str, asyncio.Queue[TextDelta | Exception]] = {}
         self._tasks: list[asyncio.Task] = []
         self._ipc_dir = tempfile.mkdtemp(prefix="servelm-")  # unique per server: no fixed names
@@ -164,6 +167,11 @@ class AsyncEngineClient:
     async def abort(self, request_ids: list[str]) -> None:
         await self._in.send(encode("abort", request_ids))
 
+    async def watch_dashboard(self, interval: float) -> None:
+        """Ask the engine for a dashboard snapshot at most every `interval` seconds (0: stop)."""
+        if self.is_alive:
+            await self._in.send(encode("dashboard", float(interval)))
+
     # -- background tasks -------------------------------------------------------------------
     async def _output_loop(self) -> None:
         while True:
@@ -189,6 +197,9 @@ class AsyncEngineClient:
                 self.last_stats = outs.stats
                 for listener in self.stats_listeners:
                     listener(outs.stats)
+            if outs.dashboard is not None:
+                for listener in self.dashboard_listeners:
+                    listener(outs.dashboard)
 
     async def _watchdog(self) -> None:
         while self._proc.is_alive():

@@ -18,6 +18,7 @@ import time
 import zmq
 
 from servelm.config import EngineArgs
+from servelm.engine.dashboard import Feed
 from servelm.engine.messages import EngineCoreOutputs, EngineReady, decode, encode
 from servelm.engine.request import Request
 from servelm.engine.step_trace import StepRecorder, StepTraceWriter
@@ -129,6 +130,7 @@ def _loop(
 ) -> None:
     poller = zmq.Poller()
     poller.register(inputs, zmq.POLLIN)
+    feed = Feed()  # the dashboard's snapshots: built only while one watches (dashboard.py)
     while True:
         if os.getppid() != api_pid:  # the API process is gone (even SIGKILLed): do not linger
             logger.warning("API process exited; engine core shutting down")
@@ -148,16 +150,32 @@ def _loop(
                 aborted += core.abort_requests(payload)
             elif kind == "shutdown":
                 return
+            elif kind == "dashboard":
+                feed.set_interval(core, payload)
+                continue  # not a change the gauges need to hear of
             changed = True
         if core.has_unfinished_requests():
             step_outputs, stats = core.step()
-            outputs.send(encode("step", EngineCoreOutputs(aborted + step_outputs, stats)))
-            if trace is not None:
-                trace.write(time.perf_counter() - t0)
+            # The last step before idling always carries one: the page shows the queue empty.
+            snap = (
+                feed.snapshot(core)
+                if feed.due() or (feed.active and not core.has_unfinished_requests())
+                else None
+            )
+            outputs.send(encode("step", EngineCoreOutputs(aborted + step_outputs, stats, snap)))
+            if trace is not None or feed.active:
+                seconds = time.perf_counter() - t0
+                if trace is not None:
+                    trace.write(seconds)
+                feed.record_step(seconds)
         elif changed:
             # Idle after aborts: report it, so gauges (running, KV usage) drop at once.
-            outputs.send(encode("step", EngineCoreOutputs(aborted, core.scheduler.make_stats())))
+            snap = feed.snapshot(core) if feed.active else None
+            stats = core.scheduler.make_stats()
+            outputs.send(encode("step", EngineCoreOutputs(aborted, stats, snap)))
             core.check_integrity()
+        elif feed.pending:  # idle, and a page just connected: a snapshot with no stats
+            outputs.send(encode("step", EngineCoreOutputs([], None, feed.snapshot(core))))
 
 
 def _add(core, req) -> list:

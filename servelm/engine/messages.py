@@ -1,8 +1,10 @@
 """What crosses the socket between the API process and the engine-core process (msgpack).
 
-Into the engine: `("add", EngineCoreRequest)`, `("abort", [request ids])`, `("shutdown", None)`.
+Into the engine: `("add", EngineCoreRequest)`, `("abort", [request ids])`, `("shutdown", None)`,
+`("dashboard", seconds)` (a dashboard watches: a snapshot at most every `seconds`; 0.0: stop).
 Out of the engine: `("ready", EngineReady)` once, then `("step", EngineCoreOutputs)` per step
-(and after aborts), or `("error", message)` if the engine fails.
+(and after aborts; one with no stats carries only a dashboard snapshot), or `("error", message)`
+if the engine fails.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any
 
 import msgspec
 
+from servelm.engine.dashboard import DashboardSnapshot
 from servelm.engine.outputs import EngineCoreOutput, SchedulerStats
 from servelm.engine.sampling_params import SamplingParams
 
@@ -30,6 +33,7 @@ class EngineCoreRequest:
 class EngineCoreOutputs:
     outputs: list[EngineCoreOutput] = field(default_factory=list)
     stats: SchedulerStats | None = None
+    dashboard: DashboardSnapshot | None = None  # only while a dashboard watches, when one is due
 
 
 @dataclass
@@ -49,6 +53,7 @@ _PAYLOAD_TYPES: dict[str, Any] = {
     "add": EngineCoreRequest,
     "abort": list[str],
     "shutdown": None,
+    "dashboard": float,
     "ready": EngineReady,
     "step": EngineCoreOutputs,
     "error": str,

@@ -233,6 +233,7 @@ async def unless_disconnected(request: Request, work: Coroutine[Any, Any, Respon
 
 def build_app(router: Router) -> Starlette:
     from servelm.router.admin import admin_routes
+    from servelm.router.dashboard import dashboard_routes
 
     routes = [Route(p, router.proxied, methods=["POST"]) for p in PROXIED]
     routes += [
@@ -241,6 +242,7 @@ def build_app(router: Router) -> Starlette:
         Route("/health", router.health_route, methods=["GET"]),
         Route("/metrics", router.metrics_route, methods=["GET"]),
         *admin_routes(router),
+        *dashboard_routes(router),
     ]
     app = Starlette(routes=routes, lifespan=router.lifespan)
     app.state.router = router

@@ -9,6 +9,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 import servelm
 from servelm.server.auth import OPEN_PATHS, APIKeyMiddleware
 from servelm.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
+from servelm.server.dashboard import BasicAsBearer, DashboardHub, install_dashboard
 from servelm.server.errors import APIError, error_response, install_error_handlers
 from servelm.server.metrics import HTTPStatusMiddleware
 from servelm.server.openapi import (
@@ -46,6 +47,7 @@ def build_app(
     app.add_middleware(BodyLimitMiddleware, limit=max_request_bytes)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+        app.add_middleware(BasicAsBearer)  # outside the key check: the dashboard's browsers
     app.add_middleware(HTTPStatusMiddleware, metrics=state.metrics, skip_paths=OPEN_PATHS)
     chat = ServingChat(state)
     completion = ServingCompletion(state)
@@ -108,5 +110,6 @@ def build_app(
         chat.check_token_ids(req.tokens, "tokens")
         return JSONResponse({"prompt": tokenizer.decode(req.tokens, skip_special_tokens=False)})
 
+    install_dashboard(app, DashboardHub(state.engine, state.metrics, state.model_name))
     install_openapi(app, bool(api_key), OPEN_PATHS, tokenizer.vocab_size)
     return app

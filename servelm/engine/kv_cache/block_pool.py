@@ -88,6 +88,16 @@ class BlockPool:
     def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
         return self._cached.get(block_hash)
 
+    def cached_block_ids(self) -> list[int]:
+        """Ids of the blocks that hold a cached prefix, in use or free (for the dashboard)."""
+        return [b.block_id for b in self._cached.values()]
+
+    def next_free_block_id(self) -> int | None:
+        """The block the next allocation takes (the free queue's head), None when none is free.
+        Fresh blocks leave in id order before any block given back, so while some are left this
+        is the lowest never-used id (the dashboard tells never-used blocks by it)."""
+        return next(iter(self._free), None)
+
     # -- changes -----------------------------------------------------------------------
     def get_new_blocks(self, n: int) -> list[KVBlock]:
         """Pop `n` blocks from the head of the free queue, evicting their cached contents."""

@@ -1,0 +1,308 @@
+"""`GET /dashboard`: a live page of the engine's KV pool, its queue and the server's latencies.
+
+    /dashboard                 the page (static/index.html; the script and style beside it)
+    /dashboard/static/<file>   its assets, shipped in the package: no CDN, no build step
+    /dashboard/feed            server-sent events, one JSON object each (`DashboardHub.payload`)
+
+The engine part of each event is the engine core's own snapshot (servelm/engine/dashboard.py),
+asked for only while a page is connected, at most every `SNAPSHOT_INTERVAL` seconds. The rest
+is this process's: TTFT, TPOT and ITL percentiles over the last minutes from the histograms in
+metrics.py, tokens per second, the prefix cache's hit rate from its counters, and the recent
+steps' composition (prompt vs decode tokens, step time). Every page shares one payload per
+update: a slow page skips updates, it never queues them.
+
+With `--api-key` these routes need the key like every other: `Authorization: Bearer KEY`, or,
+so that a browser can open the page, HTTP Basic with the key as the password (the browser asks
+for it once, then sends it with the feed too).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from importlib import resources
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+
+from servelm.engine.client import AsyncEngineClient
+from servelm.engine.dashboard import DashboardSnapshot
+from servelm.server.metrics import ServerMetrics
+from servelm.server.sse import SSE_HEADERS
+
+SNAPSHOT_INTERVAL = 0.25  # seconds between two engine snapshots, at most 4 a second
+HEARTBEAT = 1.0  # an event at least this often (latencies move while the engine idles)
+WINDOW = 300.0  # seconds the latency percentiles and the hit rate look back over
+RATE_WINDOW = 10.0  # seconds tokens per second are averaged over
+STEPS_SENT = 200  # the most recent steps each event carries
+QUANTILES = (0.5, 0.9, 0.99)
+STATIC_FILES = {
+    "dashboard.js": "text/javascript; charset=utf-8",
+    "dashboard.css": "text/css; charset=utf-8",
+}
+_encoder = msgspec.json.Encoder()
+
+
+def static_text(name: str) -> bytes:
+    return resources.files(__package__).joinpath("static", name).read_bytes()
+
+
+def page(kind: str) -> bytes:
+    """The page; `kind` is "server" or "router" (which panels the script draws)."""
+    return static_text("index.html").replace(b"{{KIND}}", kind.encode())
+
+
+def histogram_buckets(histogram) -> list[tuple[float, float]]:
+    """(upper bound, cumulative count) of every bucket of a one-series Histogram."""
+    out = []
+    for family in histogram.collect():
+        for s in family.samples:
+            if s.name.endswith("_bucket"):
+                out.append((float(s.labels["le"]), s.value))
+    return out
+
+
+def quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
+    """The q-quantile of cumulative buckets, interpolated inside its bucket as Prometheus'
+    histogram_quantile does; None without observations. In the +Inf bucket: the last bound."""
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    rank = q * buckets[-1][1]
+    lower_bound, lower_count = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if bound == float("inf"):
+                return lower_bound
+            if count == lower_count:
+                return bound
+            return lower_bound + (bound - lower_bound) * (rank - lower_count) / (
+                count - lower_count
+            )
+        lower_bound, lower_count = bound, count
+    return lower_bound
+
+
+def counter_value(counter) -> float:
+    return sum(s.value for f in counter.collect() for s in f.samples if s.name.endswith("_total"))
+
+
+class DashboardHub:
+    """What all pages of one server share: the latest engine snapshot, recent steps, samples
+    of the metrics, and the payload built from them."""
+
+    def __init__(self, engine: AsyncEngineClient, metrics: ServerMetrics, model: str) -> None:
+        self.engine, self.metrics, self.model = engine, metrics, model
+        self.watchers = 0
+        self.version = 0
+        self.payload = b"{}"
+        self.snapshot: DashboardSnapshot | None = None
+        self.steps: deque[tuple[float, int, int, float]] = deque(maxlen=4 * STEPS_SENT)
+        self.samples: deque[tuple[float, dict[str, Any]]] = deque()  # (time, metric readings)
+        self.rates: deque[tuple[float, float, float]] = deque(maxlen=300)  # (time, in/s, out/s)
+        self._changed = asyncio.Event()
+        self._ticker: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._last_server = 0.0
+        self._server: dict[str, Any] = {}
+        engine.dashboard_listeners.append(self.on_snapshot)
+
+    # -- watchers ---------------------------------------------------------------------------
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def subscribe(self) -> None:
+        self.watchers += 1
+        if self.watchers == 1:
+            self._spawn(self.engine.watch_dashboard(SNAPSHOT_INTERVAL))
+            self._ticker = asyncio.get_running_loop().create_task(self._tick())
+        self.publish()
+
+    def unsubscribe(self) -> None:
+        self.watchers -= 1
+        if self.watchers == 0:
+            self._spawn(self.engine.watch_dashboard(0.0))  # the engine stops building them
+            if self._ticker is not None:
+                self._ticker.cancel()
+                self._ticker = None
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT)
+            if time.time() - self._last_server >= HEARTBEAT:
+                self.publish()
+
+    async def events(self) -> AsyncIterator[bytes]:
+        seen = -1
+        while True:
+            if self.version == seen:
+                self._changed.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), 2 * HEARTBEAT)
+            seen = self.version
+            yield b"data: " + self.payload + b"\n\n"
+
+    # -- updates ----------------------------------------------------------------------------
+    def on_snapshot(self, snapshot: DashboardSnapshot) -> None:
+        self.snapshot = snapshot
+        self.steps.extend(snapshot.steps)
+        if self.watchers:
+            self.publish()
+
+    def publish(self) -> None:
+        now = time.time()
+        if now - self._last_server >= HEARTBEAT or not self._server:
+            self._server = self._server_part(now)
+            self._last_server = now
+        engine = None
+        if self.snapshot is not None:
+            engine = msgspec.to_builtins(self.snapshot)
+            engine["steps"] = list(self.steps)[-STEPS_SENT:]
+        self.payload = _encoder.encode(
+            {"kind": "server", "model": self.model, "time": now, "engine": engine, **self._server}
+        )
+        self.version += 1
+        self._changed.set()
+
+    def _server_part(self, now: float) -> dict[str, Any]:
+        """Latency percentiles, token rates and the hit rate, from this process's metrics."""
+        m = self.metrics
+        name = m.model_name
+        reading = {
+            "ttft": histogram_buckets(m.ttft.labels(name)),
+            "tpot": histogram_buckets(m.tpot.labels(name)),
+            "itl": histogram_buckets(m.itl.labels(name)),
+            "e2e": histogram_buckets(m.e2e.labels(name)),
+            "out": counter_value(m.generation_tokens),
+            "queries": counter_value(m.prefix_queries),
+            "hits": counter_value(m.prefix_hits),
+            "preemptions": counter_value(m.preemptions),
+        }
+        self.samples.append((now, reading))
+        while len(self.samples) > 2 and self.samples[1][0] <= now - WINDOW:
+            self.samples.popleft()
+        old = self.samples[0][1]
+        latency = {}
+        for key in ("ttft", "tpot", "itl", "e2e"):
+            delta = [
+                (b, c - c0) for (b, c), (_, c0) in zip(reading[key], old[key], strict=False)
+            ]
+            if len(self.samples) == 1:
+                delta = reading[key]
+            latency[key] = {
+                "count": int(delta[-1][1]) if delta else 0,
+                **{f"p{round(q * 100)}": quantile(q, delta) for q in QUANTILES},
+            }
+        recent = [s for s in self.samples if s[0] >= now - RATE_WINDOW]
+        t0, r0 = recent[0]
+        span = now - t0
+        out_rate = (reading["out"] - r0["out"]) / span if span > 0 else 0.0
+        in_rate = (
+            sum(p for t, p, _, _ in self.steps if t >= now - RATE_WINDOW) / RATE_WINDOW
+            if self.steps
+            else 0.0
+        )
+        self.rates.append((round(now, 2), round(in_rate, 1), round(out_rate, 1)))
+        queries = reading["queries"] - old["queries"]
+        return {
+            "window_seconds": round(min(WINDOW, now - self.samples[0][0]), 1),
+            "latency": latency,
+            "throughput": {"in": in_rate, "out": out_rate, "history": list(self.rates)},
+            "prefix_cache": {
+                "hit_rate": (reading["hits"] - old["hits"]) / queries if queries else None,
+                "hit_rate_total": reading["hits"] / reading["queries"]
+                if reading["queries"]
+                else None,
+                "queries_total": reading["queries"],
+                "hits_total": reading["hits"],
+            },
+            "preemptions_total": reading["preemptions"],
+        }
+
+
+ASK_FOR_BASIC = b'Basic realm="servelm dashboard"'
+
+
+def basic_as_bearer(value: bytes) -> bytes:
+    """`Basic base64(user:KEY)` as `Bearer KEY` (the user name when the password is empty);
+    any other Authorization value as it is."""
+    if value[:6].lower() != b"basic ":
+        return value
+    try:
+        user, _, password = base64.b64decode(value[6:].strip(), validate=True).partition(b":")
+    except ValueError:
+        return value
+    return b"Bearer " + (password or user)
+
+
+class BasicAsBearer:
+    """Pure ASGI, outside the API-key check, on /dashboard paths only: a browser cannot set an
+    Authorization header on a page it opens, but it speaks HTTP Basic. The key given as the
+    password (or the user name) becomes `Bearer <key>` for the key check; its 401s there ask
+    for Basic too, so the browser shows its login box."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/dashboard"):
+            return await self.app(scope, receive, send)
+        headers = [
+            (name, basic_as_bearer(value) if name == b"authorization" else value)
+            for name, value in scope["headers"]
+        ]
+        scope = {**scope, "headers": headers}
+
+        async def ask_for_basic(message: dict) -> None:
+            if message["type"] == "http.response.start" and message["status"] == 401:
+                message = {
+                    **message,
+                    "headers": [
+                        *message.get("headers", []),
+                        (b"www-authenticate", ASK_FOR_BASIC),
+                    ],
+                }
+            await send(message)
+
+        await self.app(scope, receive, ask_for_basic)
+
+
+def static_response(name: str) -> Response:
+    if name not in STATIC_FILES:
+        from servelm.server.errors import error_response
+
+        return error_response(404, f"no dashboard file {name!r}")
+    return Response(
+        static_text(name), media_type=STATIC_FILES[name], headers={"Cache-Control": "no-cache"}
+    )
+
+
+def install_dashboard(app: FastAPI, hub: DashboardHub) -> None:
+    """The routes (left out of /openapi.json: a page and an endless stream, not API)."""
+
+    @app.get("/dashboard", include_in_schema=False)
+    async def dashboard_page() -> Response:
+        return Response(page("server"), media_type="text/html; charset=utf-8")
+
+    @app.get("/dashboard/static/{name}", include_in_schema=False)
+    async def dashboard_static(name: str) -> Response:
+        return static_response(name)
+
+    @app.get("/dashboard/feed", include_in_schema=False)
+    async def dashboard_feed(request: Request) -> Response:
+        async def stream() -> AsyncIterator[bytes]:
+            hub.subscribe()
+            try:
+                async for chunk in hub.events():
+                    yield chunk
+            finally:
+                hub.unsubscribe()
+
+        return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
