@@ -32,3 +32,21 @@ class RMSNorm(nn.Module):
         if delta is not None:
             x = x + delta
         return self.weight * F.rms_norm(x.float(), self.shape, eps=self.eps).to(x.dtype), x
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the checkpoint stores w and the norm scales by (1 + w), in float32
+    before the one rounding to the input dtype (transformers' Gemma2/3RMSNorm); torch ops only,
+    as the fused C op rounds the Llama way."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__(hidden_size, eps)
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+
+    def forward(
+        self, x: torch.Tensor, delta: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if delta is not None:
+            x = x + delta
+        normed = F.rms_norm(x.float(), self.shape, eps=self.eps) * (1.0 + self.weight.float())
+        return normed.to(x.dtype), x
