@@ -54,7 +54,11 @@ class RecordingPolicy(RoutingPolicy):
     def choose(self, candidates: Sequence[Replica], req: RouteRequest) -> Decision:
         decision = self.inner.choose(candidates, req)
         self.recent.append(
-            {"time": round(time.time(), 3), "replica": decision.replica.url, "reason": decision.reason}
+            {
+                "time": round(time.time(), 3),
+                "replica": decision.replica.url,
+                "reason": decision.reason,
+            }
         )
         return decision
 
@@ -158,7 +162,9 @@ class RouterDashboard:
             "recent": list(self.recent),
             "requests_in_flight": sum(r.in_flight for r in router.replicas),
         }
-        self.payload = json.dumps(head)[:-1].encode() + b', "replicas": [' + b",".join(parts) + b"]}"
+        self.payload = (
+            json.dumps(head)[:-1].encode() + b', "replicas": [' + b",".join(parts) + b"]}"
+        )
         self.version += 1
         self._changed.set()
 
@@ -176,7 +182,7 @@ class RouterDashboard:
 def dashboard_routes(router: Router) -> list[Route]:
     board = RouterDashboard(router)
 
-    def refused(request: Request) -> Response | None:
+    def refuse(request: Request) -> Response | None:
         """401 without a valid key when keys are required (Bearer, or Basic for a browser)."""
         if not router.limiter.enabled:
             return None
@@ -192,15 +198,15 @@ def dashboard_routes(router: Router) -> list[Route]:
         )
 
     async def dashboard_page(request: Request) -> Response:
-        refused = refused(request)
+        refused = refuse(request)
         return refused or Response(page("router"), media_type="text/html; charset=utf-8")
 
     async def dashboard_static(request: Request) -> Response:
-        refused = refused(request)
+        refused = refuse(request)
         return refused or static_response(request.path_params["name"])
 
     async def dashboard_feed(request: Request) -> Response:
-        refused = refused(request)
+        refused = refuse(request)
         if refused is not None:
             return refused
 

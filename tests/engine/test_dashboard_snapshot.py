@@ -22,7 +22,9 @@ def req(rid, tail, max_tokens=3):
 
 def step(s):
     out = s.schedule()
-    s.update_from_output(out, ModelRunnerOutput({r.request_id: 7 for r in out.requests if r.sample}))
+    s.update_from_output(
+        out, ModelRunnerOutput({r.request_id: 7 for r in out.requests if r.sample})
+    )
     return out
 
 
@@ -82,8 +84,10 @@ def test_a_large_pool_is_aggregated_into_a_fixed_number_of_cells():
     step(s)
     snap = build_snapshot(s, max_cells=1000)
     assert snap.blocks_per_cell == 10 and len(snap.cell_used) == 1000
-    assert sum(snap.cell_used) == snap.blocks_in_use == len(
-        {b for k in range(6) for b in s.kv.block_ids(f"r{k}")}
+    assert (
+        sum(snap.cell_used)
+        == snap.blocks_in_use
+        == len({b for k in range(6) for b in s.kv.block_ids(f"r{k}")})
     )
     assert sum(snap.cell_shared) == snap.blocks_shared == 3  # the system prompt's blocks
     assert snap.cell_owner[0] == 0 and snap.cell_owner[-1] == -1

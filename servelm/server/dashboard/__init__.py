@@ -109,6 +109,7 @@ class DashboardHub:
         self._ticker: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
         self._last_server = 0.0
+        self._watched_since = 0.0
         self._server: dict[str, Any] = {}
         engine.dashboard_listeners.append(self.on_snapshot)
 
@@ -121,6 +122,7 @@ class DashboardHub:
     def subscribe(self) -> None:
         self.watchers += 1
         if self.watchers == 1:
+            self._watched_since = time.time()
             self._spawn(self.engine.watch_dashboard(SNAPSHOT_INTERVAL))
             self._ticker = asyncio.get_running_loop().create_task(self._tick())
         self.publish()
@@ -186,16 +188,17 @@ class DashboardHub:
             "preemptions": counter_value(m.preemptions),
         }
         self.samples.append((now, reading))
-        while len(self.samples) > 2 and self.samples[1][0] <= now - WINDOW:
+        while self.samples[0][0] < now - WINDOW:  # (the reading just taken always stays)
             self.samples.popleft()
         old = self.samples[0][1]
+        since_start = len(self.samples) == 1  # a page just connected: all the server has seen
         latency = {}
         for key in ("ttft", "tpot", "itl", "e2e"):
-            delta = [
-                (b, c - c0) for (b, c), (_, c0) in zip(reading[key], old[key], strict=False)
-            ]
-            if len(self.samples) == 1:
-                delta = reading[key]
+            delta = (
+                reading[key]
+                if since_start
+                else [(b, c - c0) for (b, c), (_, c0) in zip(reading[key], old[key], strict=True)]
+            )
             latency[key] = {
                 "count": int(delta[-1][1]) if delta else 0,
                 **{f"p{round(q * 100)}": quantile(q, delta) for q in QUANTILES},
@@ -204,19 +207,23 @@ class DashboardHub:
         t0, r0 = recent[0]
         span = now - t0
         out_rate = (reading["out"] - r0["out"]) / span if span > 0 else 0.0
+        # prompt tokens the engine computed (the steps are known only while a page watches)
+        in_span = min(RATE_WINDOW, now - self._watched_since)
         in_rate = (
-            sum(p for t, p, _, _ in self.steps if t >= now - RATE_WINDOW) / RATE_WINDOW
-            if self.steps
+            sum(p for t, p, _, _ in self.steps if t >= now - in_span) / in_span
+            if in_span > 0
             else 0.0
         )
         self.rates.append((round(now, 2), round(in_rate, 1), round(out_rate, 1)))
-        queries = reading["queries"] - old["queries"]
+        queries = reading["queries"] - (0 if since_start else old["queries"])
+        hits = reading["hits"] - (0 if since_start else old["hits"])
         return {
-            "window_seconds": round(min(WINDOW, now - self.samples[0][0]), 1),
+            # None: since the server started (the first reading after a page connected)
+            "window_seconds": None if since_start else round(now - self.samples[0][0], 1),
             "latency": latency,
             "throughput": {"in": in_rate, "out": out_rate, "history": list(self.rates)},
             "prefix_cache": {
-                "hit_rate": (reading["hits"] - old["hits"]) / queries if queries else None,
+                "hit_rate": hits / queries if queries else None,
                 "hit_rate_total": reading["hits"] / reading["queries"]
                 if reading["queries"]
                 else None,
