@@ -40,6 +40,9 @@ class SchedulerConfig:
     max_model_len: int = 2048
     enable_prefix_caching: bool = True
     policy: str = "fcfs"
+    # Every layer's attention window, the largest (None: some layer sees the whole context):
+    # blocks out of it go back to the pool, so a sequence holds about window / block_size.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         # Below these, no request would ever be scheduled: every caller (the command lines,
@@ -52,7 +55,12 @@ class SchedulerConfig:
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            config.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            config.sliding_window,
+        )
         self.waiting = make_queue(config.policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -62,8 +70,12 @@ class Scheduler:
     # -- requests in and out ----------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         params = request.sampling_params
-        # The whole sequence must fit the context and, alone, the KV pool (else it never runs).
-        max_len = min(self.config.max_model_len, self.config.num_blocks * self.config.block_size)
+        # The whole sequence must fit the context and, alone, the KV pool (else it never runs);
+        # with a window it holds only the blocks its window and a step's chunk reach.
+        config = self.config
+        max_len = config.max_model_len
+        if self.kv.blocks_needed(max_len, config.max_num_batched_tokens) > config.num_blocks:
+            max_len = min(max_len, config.num_blocks * config.block_size)
         room = max_len - request.num_prompt_tokens
         if room < 1:
             raise ValueError(

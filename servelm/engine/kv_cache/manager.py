@@ -3,6 +3,17 @@
 A request's blocks cover its tokens in order: token i lives in block i // block_size at offset
 i % block_size. `allocate_slots` returns None when the pool cannot cover the step; the
 scheduler (not this class) decides whom to preempt.
+
+Sliding windows (`window`: set only when EVERY layer has one, the largest): a query at position
+p reads keys after p - window, and the next query of a request sits at its num_computed_tokens
+at least, so a block wholly before num_computed_tokens - window + 1 is never read again. Each
+allocation gives such blocks back to the pool (a Mistral-style model's KV use stops growing past
+the window); their places in the request's table keep a placeholder id (DROPPED_BLOCK_ID, which
+the attention never reads: worker/attention.py), so token i still lives in entry
+i // block_size. With one full-attention layer (Gemma's global layers) nothing can be given
+back. A given-back block keeps its prefix hash in the free queue until it is evicted, exactly as
+a finished request's blocks do: its contents are still that prefix's, so a later hit on it is
+correct, and a hit only ever counts the contiguous run of cached blocks from the first.
 """
 
 from __future__ import annotations
@@ -15,6 +26,17 @@ from servelm.engine.request import Request
 
 _BLOCK_ID = attrgetter("block_id")
 _NO_BLOCKS: list[int] = []  # shared, never changed
+# The table entry of a block given back (out of every layer's window): any real block id, so
+# that a path which reads before masking (the torch one) reads finite numbers from the pool.
+DROPPED_BLOCK_ID = 0
+
+
+def kv_window(layer_windows) -> int | None:
+    """The window beyond which no layer reads (the largest of the per-layer windows), or None
+    where some layer attends to the whole context (or none has a window): nothing is freed."""
+    if not layer_windows or any(w is None for w in layer_windows):
+        return None
+    return max(layer_windows)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -37,9 +59,17 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        enable_caching: bool = True,
+        window: int | None = None,
+    ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.window = window  # see the top of the file (None: every block is kept)
+        self._num_dropped: dict[str, int] = {}  # leading blocks given back, per request
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[KVBlock]] = {}
         # req_blocks as ids, kept in step. Each list is replaced, never changed in place, when a
@@ -54,6 +84,36 @@ class KVCacheManager:
 
     def usage(self) -> float:
         return self.pool.usage()
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request holds now (those given back out of the window not counted)."""
+        held = self.req_blocks.get(request_id, ())
+        return len(held) - self._num_dropped.get(request_id, 0)
+
+    def blocks_needed(self, num_tokens: int, chunk: int) -> int:
+        """The most blocks one sequence of `num_tokens` holds at once, computed in steps of up
+        to `chunk` tokens: all of them, or with a window those reaching back `window` tokens
+        from a step's first query to its last token."""
+        every = cdiv(num_tokens, self.block_size)
+        if self.window is None:
+            return every
+        return min(every, cdiv(self.window - 1 + chunk, self.block_size) + 1)
+
+    def _drop_out_of_window(self, request: Request, held: list[KVBlock]) -> None:
+        """Give back the request's blocks that no later query reads (wholly before
+        num_computed_tokens - window + 1), newest first, as `free` does."""
+        first_needed = request.num_computed_tokens - self.window + 1
+        rid = request.request_id
+        start = self._num_dropped.get(rid, 0)
+        end = min(first_needed // self.block_size, len(held)) if first_needed > 0 else 0
+        if end <= start:
+            return
+        gone = held[start:end]
+        held[start:end] = [None] * (end - start)
+        ids = self._req_block_ids[rid]
+        self._req_block_ids[rid] = ids[:start] + [DROPPED_BLOCK_ID] * (end - start) + ids[end:]
+        self._num_dropped[rid] = end
+        self.pool.free_blocks(reversed(gone))
 
     def block_ids(self, request_id: str) -> list[int]:
         ids = self._req_block_ids.get(request_id)
@@ -100,9 +160,12 @@ class KVCacheManager:
     ) -> list[KVBlock] | None:
         """Make room for `num_new_tokens` more tokens of `request` (after any prefix hit).
 
-        Returns the newly allocated blocks, or None (changing nothing) if the pool is short.
+        Returns the newly allocated blocks, or None (changing nothing else) if the pool is
+        short. Blocks out of the window are given back first, either way.
         """
         held = self.req_blocks.get(request.request_id)
+        if held and self.window is not None:
+            self._drop_out_of_window(request, held)
         if held and not new_computed_blocks:
             # Fast path (most decode steps): no prefix hit to take and no block to add.
             num_total = request.num_computed_tokens + num_new_tokens
@@ -153,7 +216,8 @@ class KVCacheManager:
         hashes = request.block_hashes
         cache_block = self.pool.cache_block
         for i in range(start, num_full):
-            cache_block(held[i], hashes[i])
+            if held[i] is not None:  # (one given back was published when it was filled)
+                cache_block(held[i], hashes[i])
         self._num_cached_blocks[request.request_id] = num_full
 
     def free(self, request: Request) -> None:
@@ -161,15 +225,20 @@ class KVCacheManager:
         blocks = self.req_blocks.pop(request.request_id, [])
         self._req_block_ids.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
-        self.pool.free_blocks(reversed(blocks))
+        dropped = self._num_dropped.pop(request.request_id, 0)
+        self.pool.free_blocks(reversed(blocks[dropped:]))
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()
         refs: dict[int, int] = {}
         for rid, blocks in self.req_blocks.items():
-            if self._req_block_ids.get(rid, []) != [b.block_id for b in blocks]:
+            dropped = self._num_dropped.get(rid, 0)
+            if any(b is not None for b in blocks[:dropped]) or None in blocks[dropped:]:
+                raise AssertionError(f"{rid}: given-back blocks are not its first {dropped}")
+            ids = [DROPPED_BLOCK_ID] * dropped + [b.block_id for b in blocks[dropped:]]
+            if self._req_block_ids.get(rid, []) != ids:
                 raise AssertionError(f"block ids of {rid} disagree with its blocks")
-            for b in blocks:
+            for b in blocks[dropped:]:
                 refs[b.block_id] = refs.get(b.block_id, 0) + 1
         for block in self.pool.blocks:
             if refs.get(block.block_id, 0) != block.ref_cnt:
