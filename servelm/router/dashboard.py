@@ -16,24 +16,28 @@ events without decoding them again; with no page connected it follows none. With
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import httpx
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route
 
 from servelm.router.health import auth_headers
 from servelm.router.policies import Decision, RouteRequest, RoutingPolicy
 from servelm.router.replicas import Replica
-from servelm.server.dashboard import ASK_FOR_BASIC, basic_as_bearer, page, static_response
+from servelm.server.dashboard import (
+    ASK_FOR_BASIC,
+    FeedHub,
+    basic_as_bearer,
+    page,
+    static_response,
+)
 from servelm.server.errors import error_response
-from servelm.server.sse import SSE_HEADERS
 
 if TYPE_CHECKING:
     from servelm.router.app import Router
@@ -63,36 +67,29 @@ class RecordingPolicy(RoutingPolicy):
         return decision
 
 
-class RouterDashboard:
+class RouterDashboard(FeedHub):
     def __init__(self, router: Router) -> None:
+        super().__init__()
         self.router = router
         self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT_DECISIONS)
         router.proxy.policy = RecordingPolicy(router.proxy.policy, self.recent)
         self.feeds: dict[str, bytes] = {}  # replica url -> its latest event's JSON
         self.errors: dict[str, str] = {}
         self.followers: dict[str, asyncio.Task] = {}
-        self.watchers = 0
-        self.version = 0
-        self.payload = b"{}"
-        self._changed = asyncio.Event()
+        self._fresh = 0  # replica events received (the publisher compares it)
         self._publisher: asyncio.Task | None = None
 
-    def subscribe(self) -> None:
-        self.watchers += 1
-        if self.watchers == 1:
-            self._publisher = asyncio.get_running_loop().create_task(self._publish_loop())
-        self.publish()
+    def _start(self) -> None:
+        self._publisher = asyncio.get_running_loop().create_task(self._publish_loop())
 
-    def unsubscribe(self) -> None:
-        self.watchers -= 1
-        if self.watchers == 0:
-            if self._publisher is not None:
-                self._publisher.cancel()
-                self._publisher = None
-            for task in self.followers.values():
-                task.cancel()
-            self.followers.clear()
-            self.feeds.clear()
+    def _stop(self) -> None:
+        if self._publisher is not None:
+            self._publisher.cancel()
+            self._publisher = None
+        for task in self.followers.values():
+            task.cancel()
+        self.followers.clear()
+        self.feeds.clear()
 
     async def _publish_loop(self) -> None:
         last = 0.0
@@ -105,8 +102,6 @@ class RouterDashboard:
                 self.publish()
             await asyncio.sleep(PUBLISH_INTERVAL)
 
-    _fresh = 0  # counts replica events received (the publisher compares it)
-
     def _sync_followers(self) -> None:
         urls = {r.url for r in self.router.replicas}
         for url in list(self.followers):
@@ -118,25 +113,31 @@ class RouterDashboard:
                 self.followers[r.url] = asyncio.get_running_loop().create_task(self._follow(r))
 
     async def _follow(self, replica: Replica) -> None:
-        """Keep the latest event of one replica's feed; reconnect after a failure."""
+        """Keep the latest event of one replica's feed. The replica ends each stream after a
+        while (servelm.server.dashboard.STREAM_SECONDS): reconnect at once, keeping the last
+        event; after a failure, drop it and retry in a second."""
         headers = auth_headers(replica, self.router.config.upstream_api_key)
+        url = replica.url
         while True:
+            failure = None
             try:
                 async with self.router.client.stream(
-                    "GET", replica.url + "/dashboard/feed", headers=headers, timeout=_FEED_TIMEOUT
+                    "GET", url + "/dashboard/feed", headers=headers, timeout=_FEED_TIMEOUT
                 ) as resp:
                     if resp.status_code != 200:
-                        self.errors[replica.url] = f"HTTP {resp.status_code}"
+                        failure = f"HTTP {resp.status_code}"
                     else:
-                        self.errors.pop(replica.url, None)
+                        self.errors.pop(url, None)
                         async for line in resp.aiter_lines():
                             if line.startswith("data: "):
-                                self.feeds[replica.url] = line[6:].encode()
+                                self.feeds[url] = line[6:].encode()
                                 self._fresh += 1
             except httpx.HTTPError as exc:
-                self.errors[replica.url] = type(exc).__name__
-            self.feeds.pop(replica.url, None)
-            await asyncio.sleep(1.0)
+                failure = type(exc).__name__
+            if failure is not None:
+                self.errors[url] = failure
+                self.feeds.pop(url, None)
+                await asyncio.sleep(1.0)
 
     def publish(self) -> None:
         router = self.router
@@ -162,21 +163,9 @@ class RouterDashboard:
             "recent": list(self.recent),
             "requests_in_flight": sum(r.in_flight for r in router.replicas),
         }
-        self.payload = (
+        self._updated(
             json.dumps(head)[:-1].encode() + b', "replicas": [' + b",".join(parts) + b"]}"
         )
-        self.version += 1
-        self._changed.set()
-
-    async def events(self) -> AsyncIterator[bytes]:
-        seen = -1
-        while True:
-            if self.version == seen:
-                self._changed.clear()
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._changed.wait(), 2 * HEARTBEAT)
-            seen = self.version
-            yield b"data: " + self.payload + b"\n\n"
 
 
 def dashboard_routes(router: Router) -> list[Route]:
@@ -206,19 +195,7 @@ def dashboard_routes(router: Router) -> list[Route]:
         return refused or static_response(request.path_params["name"])
 
     async def dashboard_feed(request: Request) -> Response:
-        refused = refuse(request)
-        if refused is not None:
-            return refused
-
-        async def stream() -> AsyncIterator[bytes]:
-            board.subscribe()
-            try:
-                async for chunk in board.events():
-                    yield chunk
-            finally:
-                board.unsubscribe()
-
-        return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
+        return refuse(request) or board.response()
 
     return [
         Route("/dashboard", dashboard_page, methods=["GET"]),

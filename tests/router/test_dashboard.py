@@ -15,15 +15,17 @@ from tests.server.test_dashboard import launch
 
 
 def router_events(url: str, headers: dict | None = None, timeout: float = 30.0):
-    """The router's feed, event by event, for up to `timeout` seconds."""
+    """The router's feed, event by event, for up to `timeout` seconds (across the reconnects
+    a page makes: each stream ends after a while)."""
     deadline = time.monotonic() + timeout
-    with httpx.stream("GET", url + "/dashboard/feed", headers=headers, timeout=10) as resp:
-        assert resp.status_code == 200
-        for line in resp.iter_lines():
-            if line.startswith("data: "):
-                yield json.loads(line[6:])
-            if time.monotonic() > deadline:
-                raise AssertionError("the router's feed never showed what the test waits for")
+    while True:
+        with httpx.stream("GET", url + "/dashboard/feed", headers=headers, timeout=10) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    yield json.loads(line[6:])
+                if time.monotonic() > deadline:
+                    raise AssertionError("the router's feed never showed what the test waits for")
 
 
 def test_the_router_page_has_a_panel_per_replica_and_its_decisions(

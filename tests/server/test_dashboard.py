@@ -59,6 +59,8 @@ READ_PAGE = """() => {
     never: q('.kv-map .cell[data-state=never]').length,
     counter: inUse ? inUse.textContent : '',
     running: [...q('.queue-rows tr[data-state=running]')].map((r) => r.dataset.requestId),
+    runningBlocks: [...q('.queue-rows tr[data-state=running]')]
+      .reduce((n, r) => n + +r.cells[7].textContent, 0),
     waiting: q('.queue-rows tr[data-state=waiting]').length,
     numWaiting: +document.querySelector('.num-waiting').textContent.replace(/,/g, ''),
   };
@@ -145,8 +147,11 @@ def test_the_page_shows_the_blocks_the_shared_prefix_and_the_queue(served, tmp_p
         if os.environ.get("SERVELM_DASHBOARD_SCREENSHOT"):  # the README's picture
             shutil.copy(shot, os.environ["SERVELM_DASHBOARD_SCREENSHOT"])
         # the counter is the map: one used cell per block in use
-        assert busy["counter"] == f"{busy['used']} / {num_blocks:,}"
-        assert busy["used"] >= len(busy["running"]) * shared_blocks // 2
+        assert busy["counter"] == f"{busy['used']:,} / {num_blocks:,}"
+        # ... and the requests' own blocks, the shared ones drawn once
+        n = len(busy["running"])
+        assert busy["runningBlocks"] - (n - 1) * most_shared <= busy["used"]
+        assert busy["used"] <= busy["runningBlocks"] - (n - 1) * shared_blocks
         # only the system prompt's blocks are held by several requests
         assert shared_blocks <= busy["shared"] <= most_shared
         assert busy["waiting"] == busy["numWaiting"] >= 1

@@ -28,7 +28,7 @@ from importlib import resources
 from typing import Any
 
 import msgspec
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import Response, StreamingResponse
 
 from servelm.engine.client import AsyncEngineClient
@@ -42,6 +42,9 @@ WINDOW = 300.0  # seconds the latency percentiles and the hit rate look back ove
 RATE_WINDOW = 10.0  # seconds tokens per second are averaged over
 STEPS_SENT = 200  # the most recent steps each event carries
 QUANTILES = (0.5, 0.9, 0.99)
+STREAM_SECONDS = 15.0  # one stream's life; the page reconnects after RECONNECT_MS
+RECONNECT_MS = 250
+LINGER = 3.0  # seconds the engine keeps sending snapshots after the last page left
 STATIC_FILES = {
     "dashboard.js": "text/javascript; charset=utf-8",
     "dashboard.css": "text/css; charset=utf-8",
@@ -92,58 +95,61 @@ def counter_value(counter) -> float:
     return sum(s.value for f in counter.collect() for s in f.samples if s.name.endswith("_total"))
 
 
-class DashboardHub:
-    """What all pages of one server share: the latest engine snapshot, recent steps, samples
-    of the metrics, and the payload built from them."""
+class FeedHub:
+    """Pages watching one feed: the latest payload, a version that counts updates, and the
+    start and stop of whatever produces them (`_start`, `_stop`, defined by subclasses).
 
-    def __init__(self, engine: AsyncEngineClient, metrics: ServerMetrics, model: str) -> None:
-        self.engine, self.metrics, self.model = engine, metrics, model
+    A stream ends after `STREAM_SECONDS` and the page reconnects at once (`retry:`): an open page
+    never holds up a server's graceful shutdown for longer. The producer stops `LINGER` seconds
+    after the last page left, so a reconnect does not stop and restart it."""
+
+    def __init__(self) -> None:
         self.watchers = 0
         self.version = 0
         self.payload = b"{}"
-        self.snapshot: DashboardSnapshot | None = None
-        self.steps: deque[tuple[float, int, int, float]] = deque(maxlen=4 * STEPS_SENT)
-        self.samples: deque[tuple[float, dict[str, Any]]] = deque()  # (time, metric readings)
-        self.rates: deque[tuple[float, float, float]] = deque(maxlen=300)  # (time, in/s, out/s)
         self._changed = asyncio.Event()
-        self._ticker: asyncio.Task | None = None
-        self._tasks: set[asyncio.Task] = set()
-        self._last_server = 0.0
-        self._watched_since = 0.0
-        self._server: dict[str, Any] = {}
-        engine.dashboard_listeners.append(self.on_snapshot)
+        self._producing = False
+        self._stopper: asyncio.Task | None = None
 
-    # -- watchers ---------------------------------------------------------------------------
-    def _spawn(self, coro) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+    def _start(self) -> None: ...
+
+    def _stop(self) -> None: ...
+
+    def publish(self) -> None: ...
 
     def subscribe(self) -> None:
         self.watchers += 1
-        if self.watchers == 1:
-            self._watched_since = time.time()
-            self._spawn(self.engine.watch_dashboard(SNAPSHOT_INTERVAL))
-            self._ticker = asyncio.get_running_loop().create_task(self._tick())
+        if self._stopper is not None:
+            self._stopper.cancel()
+            self._stopper = None
+        if not self._producing:
+            self._producing = True
+            self._start()
         self.publish()
 
     def unsubscribe(self) -> None:
         self.watchers -= 1
-        if self.watchers == 0:
-            self._spawn(self.engine.watch_dashboard(0.0))  # the engine stops building them
-            if self._ticker is not None:
-                self._ticker.cancel()
-                self._ticker = None
+        if self.watchers == 0 and self._stopper is None:
+            self._stopper = asyncio.get_running_loop().create_task(self._stop_later())
 
-    async def _tick(self) -> None:
-        while True:
-            await asyncio.sleep(HEARTBEAT)
-            if time.time() - self._last_server >= HEARTBEAT:
-                self.publish()
+    async def _stop_later(self) -> None:
+        await asyncio.sleep(LINGER)
+        self._stopper = None
+        if self.watchers == 0 and self._producing:
+            self._producing = False
+            self._stop()
+
+    def _updated(self, payload: bytes) -> None:
+        self.payload = payload
+        self.version += 1
+        self._changed.set()
 
     async def events(self) -> AsyncIterator[bytes]:
+        """The stream of one page: each new payload (at least every 2 * HEARTBEAT seconds)."""
+        yield b"retry: %d\n\n" % RECONNECT_MS
+        end = time.monotonic() + STREAM_SECONDS
         seen = -1
-        while True:
+        while time.monotonic() < end:
             if self.version == seen:
                 self._changed.clear()
                 with contextlib.suppress(asyncio.TimeoutError):
@@ -151,11 +157,63 @@ class DashboardHub:
             seen = self.version
             yield b"data: " + self.payload + b"\n\n"
 
+    def response(self) -> StreamingResponse:
+        async def stream() -> AsyncIterator[bytes]:
+            self.subscribe()
+            try:
+                async for chunk in self.events():
+                    yield chunk
+            finally:
+                self.unsubscribe()
+
+        return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+class DashboardHub(FeedHub):
+    """What all pages of one server share: the latest engine snapshot, recent steps, samples
+    of the metrics, and the payload built from them."""
+
+    def __init__(self, engine: AsyncEngineClient, metrics: ServerMetrics, model: str) -> None:
+        super().__init__()
+        self.engine, self.metrics, self.model = engine, metrics, model
+        self.snapshot: DashboardSnapshot | None = None
+        self.steps: deque[tuple[float, int, int, float]] = deque(maxlen=4 * STEPS_SENT)
+        self.samples: deque[tuple[float, dict[str, Any]]] = deque()  # (time, metric readings)
+        self.rates: deque[tuple[float, float, float]] = deque(maxlen=300)  # (time, in/s, out/s)
+        self._ticker: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._last_server = 0.0
+        self._watched_since = 0.0
+        self._server: dict[str, Any] = {}
+        engine.dashboard_listeners.append(self.on_snapshot)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _start(self) -> None:
+        self._watched_since = time.time()
+        self._spawn(self.engine.watch_dashboard(SNAPSHOT_INTERVAL))
+        self._ticker = asyncio.get_running_loop().create_task(self._tick())
+
+    def _stop(self) -> None:
+        self._spawn(self.engine.watch_dashboard(0.0))  # the engine stops building them
+        if self._ticker is not None:
+            self._ticker.cancel()
+            self._ticker = None
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT)
+            if time.time() - self._last_server >= HEARTBEAT:
+                self.publish()
+
     # -- updates ----------------------------------------------------------------------------
     def on_snapshot(self, snapshot: DashboardSnapshot) -> None:
         self.snapshot = snapshot
         self.steps.extend(snapshot.steps)
-        if self.watchers:
+        if self._producing:
             self.publish()
 
     def publish(self) -> None:
@@ -167,11 +225,12 @@ class DashboardHub:
         if self.snapshot is not None:
             engine = msgspec.to_builtins(self.snapshot)
             engine["steps"] = list(self.steps)[-STEPS_SENT:]
-        self.payload = _encoder.encode(
-            {"kind": "server", "model": self.model, "time": now, "engine": engine, **self._server}
+        self._updated(
+            _encoder.encode(
+                {"kind": "server", "model": self.model, "time": now, "engine": engine}
+                | self._server
+            )
         )
-        self.version += 1
-        self._changed.set()
 
     def _server_part(self, now: float) -> dict[str, Any]:
         """Latency percentiles, token rates and the hit rate, from this process's metrics."""
@@ -303,13 +362,5 @@ def install_dashboard(app: FastAPI, hub: DashboardHub) -> None:
         return static_response(name)
 
     @app.get("/dashboard/feed", include_in_schema=False)
-    async def dashboard_feed(request: Request) -> Response:
-        async def stream() -> AsyncIterator[bytes]:
-            hub.subscribe()
-            try:
-                async for chunk in hub.events():
-                    yield chunk
-            finally:
-                hub.unsubscribe()
-
-        return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
+    async def dashboard_feed() -> Response:
+        return hub.response()

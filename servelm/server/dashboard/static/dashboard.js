@@ -38,7 +38,7 @@
             <div class="counter">prefix-cache hit rate <b class="hit-rate">–</b></div>
           </div>
           <div class="kv-map"></div>
-          <div class="scale"></div>
+          <div class="scale kv-scale"></div>
           <div class="legend">
             <span><i class="cell swatch-used"></i>in use (colour: request)</span>
             <span><i class="cell swatch-used" data-shared="1"></i>shared by requests (prefix hit)</span>
@@ -123,7 +123,7 @@
       const pc = p.prefix_cache || {};
       const hit = pc.hit_rate !== null && pc.hit_rate !== undefined ? pc.hit_rate : pc.hit_rate_total;
       this.$(".hit-rate").textContent = pct(hit);
-      this.$(".scale").textContent = bpc === 1
+      this.$(".kv-scale").textContent = bpc === 1
         ? `one cell = one block of ${e.block_size} tokens; ${int(e.num_blocks)} blocks`
         : `one cell = ${bpc} blocks of ${e.block_size} tokens (${int(e.num_blocks)} blocks in ${n} cells; shade: share of the cell in use)`;
     }
@@ -283,7 +283,11 @@
   let updates = 0;
   const source = new EventSource("dashboard/feed");
   source.onopen = () => { statusEl.textContent = "live"; statusEl.dataset.connected = "1"; };
-  source.onerror = () => { statusEl.textContent = "disconnected, retrying…"; statusEl.dataset.connected = "0"; };
+  // A stream ends every few seconds and the browser reconnects at once: only a connection
+  // still down after two seconds counts as lost.
+  source.onerror = () => setTimeout(() => {
+    if (source.readyState !== EventSource.OPEN) { statusEl.textContent = "disconnected, retrying…"; statusEl.dataset.connected = "0"; }
+  }, 2000);
   source.onmessage = (msg) => {
     const p = JSON.parse(msg.data);
     view.update(p);
