@@ -8,6 +8,9 @@ from pathlib import Path
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# Mixtures of experts (servelm/model/moe.py).
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+SUPPORTED_ARCHITECTURES += MOE_ARCHITECTURES
 
 
 class ModelConfigError(ValueError):
@@ -40,6 +43,15 @@ class ModelSpec:
     attn_scale: float | None = None  # None: head_dim ** -0.5
     attn_logit_softcap: float | None = None  # tanh soft-capping of attention scores (Gemma 2)
     final_logit_softcap: float | None = None  # tanh soft-capping of the logits (Gemma 2)
+    # Mixture of experts (servelm/model/moe.py): the layers in `moe_layers` route each token
+    # to `experts_per_tok` of `num_experts` MLPs of width `moe_intermediate_size` (the others
+    # keep the dense MLP of `intermediate_size`); `norm_topk_prob`: the chosen experts'
+    # weights are renormalised to sum to 1.
+    num_experts: int = 0
+    experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()
 
     def window(self, layer_idx: int) -> int | None:
         return self.layer_windows[layer_idx] if self.layer_windows else None
@@ -91,7 +103,10 @@ def spec_from_dict(cfg: dict[str, Any]) -> ModelSpec:
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
             head_dim=int(cfg.get("head_dim") or hidden // num_heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            # transformers 5 writes rope_theta inside rope_parameters only
+            rope_theta=float(
+                cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 1e4
+            ),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
@@ -100,9 +115,43 @@ def spec_from_dict(cfg: dict[str, Any]) -> ModelSpec:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_as_tuple(cfg.get("eos_token_id")),
             sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window") else None,
+            **_moe_fields(arch, cfg),
         )
     except KeyError as exc:
         raise ModelConfigError(f"config.json lacks the field {exc.args[0]!r}") from None
+
+
+def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts fields of a Mixtral or Qwen3-MoE config (none for the others)."""
+    if arch not in MOE_ARCHITECTURES:
+        return {}
+    # transformers 5 writes num_local_experts for both (num_experts is its alias).
+    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    layers = int(cfg["num_hidden_layers"])
+    if experts < 1:
+        raise ModelConfigError(f"{arch}: config.json lacks num_local_experts / num_experts")
+    if not 0 < int(cfg.get("num_experts_per_tok") or 0) <= experts:
+        raise ModelConfigError(
+            f"{arch}: num_experts_per_tok {cfg.get('num_experts_per_tok')!r} must be 1..{experts}"
+        )
+    if arch == "MixtralForCausalLM":  # every layer; experts as wide as intermediate_size
+        return dict(
+            num_experts=experts,
+            experts_per_tok=int(cfg["num_experts_per_tok"]),
+            moe_intermediate_size=int(cfg["intermediate_size"]),
+            norm_topk_prob=True,
+            moe_layers=tuple(range(layers)),
+        )
+    # Qwen3-MoE: layer i is sparse unless listed in mlp_only_layers, every decoder_sparse_step.
+    dense = set(cfg.get("mlp_only_layers") or ())
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    return dict(
+        num_experts=experts,
+        experts_per_tok=int(cfg["num_experts_per_tok"]),
+        moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        moe_layers=tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0),
+    )
 
 
 def load_spec(model_dir: str | Path) -> ModelSpec:

@@ -13,10 +13,13 @@ from servelm.model.config import ModelSpec
 
 def model_class(spec: ModelSpec) -> type[nn.Module]:
     from servelm.model.llama import LlamaForCausalLM
+    from servelm.model.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 
     classes: dict[str, type[nn.Module]] = {
         "LlamaForCausalLM": LlamaForCausalLM,
         "MistralForCausalLM": LlamaForCausalLM,
         "Qwen2ForCausalLM": LlamaForCausalLM,
+        "MixtralForCausalLM": MixtralForCausalLM,
+        "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     }
     return classes[spec.architecture]
