@@ -18,7 +18,13 @@
     return e;
   };
   const esc = (s) => String(s).replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" })[c]);
-  const hue = (id) => { let h = 7; for (let i = 0; i < id.length; i++) h = (h * 31 + id.charCodeAt(i)) >>> 0; return h % 360; };
+  // FNV-1a, then murmur3's finaliser: ids that differ in a few characters get far-apart hues.
+  const hue = (id) => {
+    let h = 0x811c9dc5;
+    for (let i = 0; i < id.length; i++) h = Math.imul(h ^ id.charCodeAt(i), 0x01000193);
+    h ^= h >>> 16; h = Math.imul(h, 0x85ebca6b); h ^= h >>> 13; h = Math.imul(h, 0xc2b2ae35); h ^= h >>> 16;
+    return (h >>> 0) % 360;
+  };
   const colour = (id, alpha = 1) => `hsl(${hue(id)} 62% 50% / ${alpha})`;
   const int = (n) => (n === null || n === undefined ? "–" : Math.round(n).toLocaleString("en-US"));
   const pct = (x) => (x === null || x === undefined ? "–" : (100 * x).toFixed(1) + " %");
@@ -55,7 +61,7 @@
           </div>
           <div class="queue-wrap"><table>
             <thead><tr><th>request</th><th>state</th><th>age</th><th>prompt</th><th>output</th>
-              <th>prefill</th><th>cached</th><th>blocks</th><th>preempted</th></tr></thead>
+              <th>prefill</th><th>cached</th><th>blocks</th><th>preempt.</th></tr></thead>
             <tbody class="queue-rows"></tbody></table></div>
           <div class="more"></div>
         </div>
@@ -65,10 +71,10 @@
           <table><thead><tr><th></th><th>p50</th><th>p90</th><th>p99</th><th>requests / gaps</th></tr></thead>
             <tbody class="latency-rows"></tbody></table>
           <div class="scale latency-caption"></div>
-          <svg class="rate-chart" viewBox="0 0 400 70" preserveAspectRatio="none"></svg>
+          <svg class="rate-chart" height="70"></svg>
         </div>
         <div class="panel steps" style="grid-column: 1 / -1"><h2>Steps: prompt vs decode tokens, step time</h2>
-          <svg class="steps-chart" viewBox="0 0 800 150" preserveAspectRatio="none"></svg>
+          <svg class="steps-chart" height="150"></svg>
           <div class="scale steps-caption"></div>
         </div>`;
       parent.appendChild(this.root);
@@ -181,13 +187,14 @@
     }
 
     updateSteps(e) {
-      const steps = (e.steps || []).slice(-160);
+      const steps = (e.steps || []).slice(-200);
       const svg = this.$(".steps-chart");
       if (!steps.length) { svg.innerHTML = `<text x="10" y="20">no steps yet</text>`; this.$(".steps-caption").textContent = ""; return; }
-      const W = 800, H = 150, top = 14, h = H - top - 4;
+      const W = svg.clientWidth || 800, H = 150, top = 14, h = H - top - 4;
+      svg.setAttribute("viewBox", `0 0 ${W} ${H}`);
       const maxTok = Math.max(1, ...steps.map((s) => s[1] + s[2]));
       const maxSec = Math.max(1e-6, ...steps.map((s) => s[3]));
-      const bw = W / Math.max(steps.length, 40);
+      const bw = W / Math.max(steps.length, 80);
       let bars = "", line = "";
       steps.forEach((s, k) => {
         const x = k * bw, hd = h * s[2] / maxTok, hp = h * s[1] / maxTok;
@@ -218,7 +225,8 @@
       const hist = tp.history || [];
       const svg = this.$(".rate-chart");
       if (hist.length > 1) {
-        const W = 400, H = 70, t0 = hist[0][0], span = Math.max(1, hist[hist.length - 1][0] - t0);
+        const W = svg.clientWidth || 400, H = 70, t0 = hist[0][0], span = Math.max(1, hist[hist.length - 1][0] - t0);
+        svg.setAttribute("viewBox", `0 0 ${W} ${H}`);
         const max = Math.max(1, ...hist.map((r) => Math.max(r[1], r[2])));
         const pts = (j) => hist.map((r) => `${((r[0] - t0) / span * W).toFixed(1)},${(H - 2 - (H - 14) * r[j] / max).toFixed(1)}`).join(" ");
         svg.innerHTML = `<polyline points="${pts(1)}" fill="none" stroke="var(--prompt)" stroke-width="1.5"/>` +
