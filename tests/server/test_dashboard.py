@@ -7,7 +7,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -164,8 +163,10 @@ def test_the_page_shows_the_blocks_the_shared_prefix_and_the_queue(served, tmp_p
         shot = tmp_path / "dashboard.png"  # under load, the tooltip showing
         page.screenshot(path=str(shot), full_page=True)
         print(f"dashboard screenshot (under load): {shot}")
-        if os.environ.get("SERVELM_DASHBOARD_SCREENSHOT"):  # the README's picture
-            shutil.copy(shot, os.environ["SERVELM_DASHBOARD_SCREENSHOT"])
+        if os.environ.get("SERVELM_DASHBOARD_SCREENSHOT"):  # the README's: some steps in
+            page.wait_for_function("document.querySelectorAll('.steps-chart rect').length > 12")
+            page.hover(".kv-map .cell[data-state=used][data-shared='1']")
+            page.screenshot(path=os.environ["SERVELM_DASHBOARD_SCREENSHOT"], full_page=True)
 
         for t in threads:
             t.join(300)

@@ -39,6 +39,7 @@ from servelm.server.sse import SSE_HEADERS
 SNAPSHOT_INTERVAL = 0.25  # seconds between two engine snapshots, at most 4 a second
 HEARTBEAT = 1.0  # an event at least this often (latencies move while the engine idles)
 WINDOW = 300.0  # seconds the latency percentiles and the hit rate look back over
+SAMPLE_EVERY = 5.0  # seconds between two readings of the metrics kept for that window
 RATE_WINDOW = 10.0  # seconds tokens per second are averaged over
 STEPS_SENT = 200  # the most recent steps each event carries
 QUANTILES = (0.5, 0.9, 0.99)
@@ -178,7 +179,9 @@ class DashboardHub(FeedHub):
         self.engine, self.metrics, self.model = engine, metrics, model
         self.snapshot: DashboardSnapshot | None = None
         self.steps: deque[tuple[float, int, int, float]] = deque(maxlen=4 * STEPS_SENT)
-        self.samples: deque[tuple[float, dict[str, Any]]] = deque()  # (time, metric readings)
+        # (time, metric readings): one at start, then every SAMPLE_EVERY seconds of steps
+        self.samples: deque[tuple[float, dict[str, Any]]] = deque([(time.time(), self._read())])
+        self._outs: deque[tuple[float, float]] = deque(maxlen=int(RATE_WINDOW / HEARTBEAT) + 2)
         self.rates: deque[tuple[float, float, float]] = deque(maxlen=300)  # (time, in/s, out/s)
         self._ticker: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -186,6 +189,7 @@ class DashboardHub(FeedHub):
         self._watched_since = 0.0
         self._server: dict[str, Any] = {}
         engine.dashboard_listeners.append(self.on_snapshot)
+        engine.stats_listeners.append(self.on_stats)
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -232,11 +236,11 @@ class DashboardHub(FeedHub):
             )
         )
 
-    def _server_part(self, now: float) -> dict[str, Any]:
-        """Latency percentiles, token rates and the hit rate, from this process's metrics."""
+    def _read(self) -> dict[str, Any]:
+        """The metrics the panels are computed from (cumulative since the server started)."""
         m = self.metrics
         name = m.model_name
-        reading = {
+        return {
             "ttft": histogram_buckets(m.ttft.labels(name)),
             "tpot": histogram_buckets(m.tpot.labels(name)),
             "itl": histogram_buckets(m.itl.labels(name)),
@@ -246,26 +250,34 @@ class DashboardHub(FeedHub):
             "hits": counter_value(m.prefix_hits),
             "preemptions": counter_value(m.preemptions),
         }
-        self.samples.append((now, reading))
-        while self.samples[0][0] < now - WINDOW:  # (the reading just taken always stays)
-            self.samples.popleft()
-        old = self.samples[0][1]
-        since_start = len(self.samples) == 1  # a page just connected: all the server has seen
+
+    def on_stats(self, stats) -> None:
+        """Per engine step, watched or not: a reading every SAMPLE_EVERY seconds, so a page
+        opened now shows the last minutes, not only what happened since it connected."""
+        now = time.time()
+        if now - self.samples[-1][0] >= SAMPLE_EVERY:
+            self.samples.append((now, self._read()))
+            while len(self.samples) > 1 and self.samples[0][0] < now - WINDOW - SAMPLE_EVERY:
+                self.samples.popleft()
+
+    def _server_part(self, now: float) -> dict[str, Any]:
+        """Latency percentiles, token rates and the hit rate, from this process's metrics."""
+        reading = self._read()
+        # The window starts at the oldest reading at most WINDOW (+ one sampling period) old; a
+        # reading older than that is the base only when it is the last one taken (then no step
+        # has run since, and nothing has changed).
+        start = next((x for x in self.samples if x[0] >= now - WINDOW - SAMPLE_EVERY), None)
+        base_time, base = start if start is not None else self.samples[-1]
         latency = {}
         for key in ("ttft", "tpot", "itl", "e2e"):
-            delta = (
-                reading[key]
-                if since_start
-                else [(b, c - c0) for (b, c), (_, c0) in zip(reading[key], old[key], strict=True)]
-            )
+            delta = [(b, c - c0) for (b, c), (_, c0) in zip(reading[key], base[key], strict=True)]
             latency[key] = {
                 "count": int(delta[-1][1]) if delta else 0,
                 **{f"p{round(q * 100)}": quantile(q, delta) for q in QUANTILES},
             }
-        recent = [s for s in self.samples if s[0] >= now - RATE_WINDOW]
-        t0, r0 = recent[0]
-        span = now - t0
-        out_rate = (reading["out"] - r0["out"]) / span if span > 0 else 0.0
+        self._outs.append((now, reading["out"]))
+        t0, out0 = next(x for x in self._outs if x[0] >= now - RATE_WINDOW)
+        out_rate = (reading["out"] - out0) / (now - t0) if now > t0 else 0.0
         # prompt tokens the engine computed (the steps are known only while a page watches)
         in_span = min(RATE_WINDOW, now - self._watched_since)
         in_rate = (
@@ -274,11 +286,10 @@ class DashboardHub(FeedHub):
             else 0.0
         )
         self.rates.append((round(now, 2), round(in_rate, 1), round(out_rate, 1)))
-        queries = reading["queries"] - (0 if since_start else old["queries"])
-        hits = reading["hits"] - (0 if since_start else old["hits"])
+        queries = reading["queries"] - base["queries"]
+        hits = reading["hits"] - base["hits"]
         return {
-            # None: since the server started (the first reading after a page connected)
-            "window_seconds": None if since_start else round(now - self.samples[0][0], 1),
+            "window_seconds": round(min(now - base_time, WINDOW), 1),
             "latency": latency,
             "throughput": {"in": in_rate, "out": out_rate, "history": list(self.rates)},
             "prefix_cache": {

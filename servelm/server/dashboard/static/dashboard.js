@@ -219,8 +219,7 @@
         return `<tr data-metric="${k}"><td>${label}</td><td>${secs(l.p50)}</td><td>${secs(l.p90)}</td><td>${secs(l.p99)}</td><td>${int(l.count)}</td></tr>`;
       }).join("");
       this.$(".latency-caption").textContent = p.latency === undefined ? ""
-        : (p.window_seconds === null ? "percentiles since the server started"
-          : `percentiles over the last ${Math.round(p.window_seconds)} s`) +
+        : `percentiles over the last ${Math.round(p.window_seconds)} s` +
           " (the server's histograms, as in /metrics); tokens/s over 10 s";
       const hist = tp.history || [];
       const svg = this.$(".rate-chart");
