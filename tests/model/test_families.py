@@ -21,13 +21,16 @@ from servelm.model.config import ModelConfigError, spec_from_dict
 from tests.model.family_harness import check_against_transformers, make_tiny_model
 
 WINDOW = 16
+# Both attention paths, one engine each: torch ops for the batched and prefix-cached runs, the
+# C kernels (where they build) for the chunked and preempted one.
+BACKENDS = dict(roomy_kernels="torch", kernels=("auto",))
 
 
 def test_qwen3(tmp_path):
     model_dir = make_tiny_model(tmp_path, "Qwen3Config", num_hidden_layers=3, head_dim=24)
     spec = json.loads((model_dir / "config.json").read_text())
     assert spec["architectures"] == ["Qwen3ForCausalLM"]
-    check_against_transformers(model_dir)
+    check_against_transformers(model_dir, **BACKENDS)
 
 
 def test_gemma2(tmp_path):
@@ -43,7 +46,7 @@ def test_gemma2(tmp_path):
     spec = spec_from_dict(json.loads((model_dir / "config.json").read_text()))
     assert spec.layer_windows == (WINDOW, None, WINDOW, None)
     assert (spec.attn_logit_softcap, spec.final_logit_softcap) == (5.0, 4.0)
-    check_against_transformers(model_dir)
+    check_against_transformers(model_dir, **BACKENDS)
 
 
 def test_gemma3(tmp_path):
@@ -59,7 +62,7 @@ def test_gemma3(tmp_path):
     assert spec.architecture == "Gemma3ForCausalLM"
     assert spec.layer_windows == (WINDOW, None, WINDOW, None)
     assert (spec.rope_theta, spec.local_rope_theta) == (1e6, 1e4)
-    check_against_transformers(model_dir)
+    check_against_transformers(model_dir, **BACKENDS)
 
 
 PHI3_ROPE = {
@@ -84,7 +87,7 @@ def test_phi3(tmp_path):
         names = set(f.keys())
     assert "model.layers.0.self_attn.qkv_proj.weight" in names  # fused in the checkpoint
     assert "model.layers.0.mlp.gate_up_proj.weight" in names
-    check_against_transformers(model_dir)
+    check_against_transformers(model_dir, **BACKENDS)
 
 
 def test_longrope_table_matches_transformers():
