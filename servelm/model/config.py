@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# Llama variations with layers of their own (servelm/model/qwen3.py, gemma.py, phi3.py).
+FAMILY_ARCHITECTURES = (
+    "Qwen3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Phi3ForCausalLM",
+)
+SUPPORTED_ARCHITECTURES += FAMILY_ARCHITECTURES
+# The MLP activations servelm computes (config.json `hidden_act` / `hidden_activation`).
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+ROPE_TYPES = ("llama3", "linear", "default", "longrope", "su")
 # Mixtures of experts (servelm/model/moe.py).
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
 SUPPORTED_ARCHITECTURES += MOE_ARCHITECTURES
@@ -43,6 +54,8 @@ class ModelSpec:
     attn_scale: float | None = None  # None: head_dim ** -0.5
     attn_logit_softcap: float | None = None  # tanh soft-capping of attention scores (Gemma 2)
     final_logit_softcap: float | None = None  # tanh soft-capping of the logits (Gemma 2)
+    hidden_act: str = "silu"  # the gated MLP's activation: one of ACTIVATIONS
+    local_rope_theta: float | None = None  # rope base of the windowed layers (Gemma 3)
     # Mixture of experts (servelm/model/moe.py): the layers in `moe_layers` route each token
     # to `experts_per_tok` of `num_experts` MLPs of width `moe_intermediate_size` (the others
     # keep the dense MLP of `intermediate_size`); `norm_topk_prob`: the chosen experts'
@@ -88,12 +101,8 @@ def spec_from_dict(cfg: dict[str, Any]) -> ModelSpec:
     try:
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
-        rope_scaling = cfg.get("rope_scaling")
-        if rope_scaling is not None:
-            kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
-            if kind not in ("llama3", "linear", "default"):
-                raise ModelConfigError(f"unsupported rope_scaling type {kind!r}")
-        return ModelSpec(
+        rope_scaling = _rope_scaling(cfg)
+        spec = ModelSpec(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
@@ -117,6 +126,7 @@ def spec_from_dict(cfg: dict[str, Any]) -> ModelSpec:
             sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window") else None,
             **_moe_fields(arch, cfg),
         )
+        return replace(spec, **_family_fields(spec, cfg))
     except KeyError as exc:
         raise ModelConfigError(f"config.json lacks the field {exc.args[0]!r}") from None
 
@@ -152,6 +162,95 @@ def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
         norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
         moe_layers=tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0),
     )
+
+
+def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """The rope scaling of the full-attention layers, wherever the config keeps it: `rope_scaling`,
+    or transformers 5's `rope_parameters` (per layer type for Gemma 3); None when there is none.
+    LongRoPE gets its `original_max_position_embeddings` and `factor` filled in, as
+    transformers derives them, so that the rotary table needs nothing else."""
+    scaling = cfg.get("rope_scaling")
+    if scaling is None:
+        params = cfg.get("rope_parameters") or {}
+        scaling = params.get("full_attention", params)
+    scaling = scaling or {}
+    # Phi-4-mini rotates part of each head; servelm's rotary rotates all of it.
+    if float(scaling.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1) != 1:
+        raise ModelConfigError("partial_rotary_factor other than 1.0 is not supported")
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        return None
+    if kind not in ROPE_TYPES:
+        raise ModelConfigError(
+            f"unsupported rope_scaling type {kind!r} (servelm knows {', '.join(ROPE_TYPES)})"
+        )
+    if kind in ("longrope", "su"):
+        scaling = dict(scaling)
+        original = scaling.get("original_max_position_embeddings")
+        original = int(original or cfg["original_max_position_embeddings"])
+        scaling["original_max_position_embeddings"] = original
+        if scaling.get("factor") is None:
+            scaling["factor"] = int(cfg["max_position_embeddings"]) / original
+        for key in ("short_factor", "long_factor"):
+            if key not in scaling:
+                raise ModelConfigError(f"rope_scaling {kind!r} lacks the field {key!r}")
+    return scaling
+
+
+def _layer_types_windows(cfg: dict[str, Any], sliding: list[bool]) -> tuple[int | None, ...]:
+    """Per-layer windows: transformers 5's `layer_types` where the config has them, else
+    `sliding` (the family's older rule); () when no layer has a window."""
+    types = cfg.get("layer_types")
+    if types:
+        sliding = [t == "sliding_attention" for t in types]
+    window = cfg.get("sliding_window")
+    if not window or not any(sliding):
+        return ()
+    return tuple(int(window) if s else None for s in sliding)
+
+
+def _family_fields(spec: ModelSpec, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The fields Qwen3, Gemma 2/3 and Phi-3 set beyond the Llama ones (none for the others)."""
+    arch, n = spec.architecture, spec.num_layers
+    if arch not in FAMILY_ARCHITECTURES:
+        return {}
+    default_act = "gelu_pytorch_tanh" if arch.startswith("Gemma") else "silu"
+    act = str(cfg.get("hidden_activation") or cfg.get("hidden_act") or default_act)
+    if act not in ACTIVATIONS:
+        raise ModelConfigError(f"unsupported activation {act!r} (servelm knows {ACTIVATIONS})")
+    fields: dict[str, Any] = {"hidden_act": act}
+    if arch == "Qwen3ForCausalLM":
+        # Older configs: layers from max_window_layers on are windowed with use_sliding_window.
+        first = int(cfg.get("max_window_layers") or 0)
+        windowed = bool(cfg.get("use_sliding_window"))
+        fields["layer_windows"] = (
+            _layer_types_windows(cfg, [windowed and i >= first for i in range(n)])
+            if windowed
+            else ()
+        )
+    elif arch == "Phi3ForCausalLM":  # transformers windows every layer when the config has one
+        fields["layer_windows"] = _layer_types_windows(cfg, [True] * n)
+    else:  # Gemma 2 and 3
+        if arch == "Gemma2ForCausalLM":  # older configs: even layers local, odd ones global
+            sliding = [i % 2 == 0 for i in range(n)]
+        else:  # Gemma 3: every `sliding_window_pattern`-th layer global, the others local
+            pattern = int(
+                cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
+            )
+            sliding = [(i + 1) % pattern != 0 for i in range(n)]
+        fields["layer_windows"] = _layer_types_windows(cfg, sliding)
+        fields["attn_scale"] = float(cfg.get("query_pre_attn_scalar") or spec.head_dim) ** -0.5
+        fields["attn_logit_softcap"] = cfg.get("attn_logit_softcapping")
+        fields["final_logit_softcap"] = cfg.get("final_logit_softcapping")
+        fields["tie_word_embeddings"] = bool(cfg.get("tie_word_embeddings", True))
+        if arch == "Gemma3ForCausalLM":
+            local = (cfg.get("rope_parameters") or {}).get("sliding_attention") or {}
+            theta = local.get("rope_theta") or cfg.get("rope_local_base_freq") or 10000.0
+            fields["local_rope_theta"] = float(theta)
+            full = (cfg.get("rope_parameters") or {}).get("full_attention") or {}
+            if full.get("rope_theta"):
+                fields["rope_theta"] = float(full["rope_theta"])
+    return fields
 
 
 def load_spec(model_dir: str | Path) -> ModelSpec:

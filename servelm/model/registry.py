@@ -12,13 +12,20 @@ from servelm.model.config import ModelSpec
 
 
 def model_class(spec: ModelSpec) -> type[nn.Module]:
+    from servelm.model.gemma import GemmaForCausalLM
     from servelm.model.llama import LlamaForCausalLM
     from servelm.model.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
+    from servelm.model.phi3 import Phi3ForCausalLM
+    from servelm.model.qwen3 import Qwen3ForCausalLM
 
     classes: dict[str, type[nn.Module]] = {
         "LlamaForCausalLM": LlamaForCausalLM,
         "MistralForCausalLM": LlamaForCausalLM,
         "Qwen2ForCausalLM": LlamaForCausalLM,
+        "Qwen3ForCausalLM": Qwen3ForCausalLM,
+        "Gemma2ForCausalLM": GemmaForCausalLM,
+        "Gemma3ForCausalLM": GemmaForCausalLM,
+        "Phi3ForCausalLM": Phi3ForCausalLM,
         "MixtralForCausalLM": MixtralForCausalLM,
         "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     }
