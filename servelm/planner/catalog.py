@@ -156,6 +156,96 @@ MODELS: dict[str, ModelShape] = {
             vocab=49152,
             ctx=8192,
         ),
+        # Qwen3: q/k norms, head_dim 128 apart from hidden / heads, no q/k/v bias.
+        ModelShape(
+            "qwen3-0.6b",
+            28,
+            1024,
+            3072,
+            16,
+            8,
+            128,
+            151936,
+            True,
+            40960,
+            hf_id="Qwen/Qwen3-0.6B",
+            qk_norm=True,
+        ),
+        ModelShape(
+            "qwen3-8b",
+            36,
+            4096,
+            12288,
+            32,
+            8,
+            128,
+            151936,
+            False,
+            40960,
+            hf_id="Qwen/Qwen3-8B",
+            qk_norm=True,
+        ),
+        # Gemma: four norms a layer, tied embeddings; half (Gemma 2) or five in six (Gemma 3)
+        # of the layers windowed, but the global ones keep every block, so the KV math is the
+        # full-context one (kv_window 0).
+        ModelShape(
+            "gemma-2-2b",
+            26,
+            2304,
+            9216,
+            8,
+            4,
+            256,
+            256000,
+            True,
+            8192,
+            hf_id="google/gemma-2-2b-it",
+            post_norms=True,
+        ),
+        ModelShape(
+            "gemma-2-9b",
+            42,
+            3584,
+            14336,
+            16,
+            8,
+            256,
+            256000,
+            True,
+            8192,
+            hf_id="google/gemma-2-9b-it",
+            post_norms=True,
+        ),
+        ModelShape(
+            "gemma-3-1b",
+            26,
+            1152,
+            6912,
+            4,
+            1,
+            256,
+            262144,
+            True,
+            32768,
+            hf_id="google/gemma-3-1b-it",
+            qk_norm=True,
+            post_norms=True,
+        ),
+        # Phi-3.5-mini: q/k/v and gate/up fused in the checkpoint (the same parameters), LongRoPE
+        # to 128k; its sliding_window (262,144) lies beyond its context.
+        ModelShape(
+            "phi-3.5-mini",
+            32,
+            3072,
+            8192,
+            32,
+            32,
+            96,
+            32064,
+            False,
+            131072,
+            hf_id="microsoft/Phi-3.5-mini-instruct",
+        ),
         # Mixtures of experts: every expert counts in the weights, experts_per_tok in compute.
         ModelShape(
             "mixtral-8x7b",
@@ -196,7 +286,7 @@ MODELS: dict[str, ModelShape] = {
 
 def _normalise(name: str) -> str:
     name = name.lower().rsplit("/", 1)[-1].replace("meta-llama-", "llama-")
-    for suffix in ("-instruct-v0.3", "-instruct-v0.1", "-instruct", "-v0.3", "-v0.1"):
+    for suffix in ("-instruct-v0.3", "-instruct-v0.1", "-instruct", "-v0.3", "-v0.1", "-it"):
         name = name.removesuffix(suffix)
     return name
 

@@ -61,7 +61,8 @@ class ModelShape:
     o_bias: bool = False  # Llama `attention_bias=True` also puts one on o_proj
     mlp_bias: bool = False
     hf_id: str = ""  # where the catalog entry's numbers come from
-    qk_norm: bool = False  # per-head RMSNorm weights on q and k (Qwen3)
+    qk_norm: bool = False  # per-head RMSNorm weights on q and k (Qwen3, Gemma 3)
+    post_norms: bool = False  # Gemma 2/3: norms after attention and MLP too (4 per layer)
     # Mixture of experts (0 experts: dense); `dense_layers` keep the dense MLP (Qwen3-MoE's
     # mlp_only_layers / decoder_sparse_step).
     num_experts: int = 0
@@ -107,7 +108,8 @@ class ModelShape:
 
     def norm_params(self) -> int:
         qk = 2 * self.num_layers * self.head_dim if self.qk_norm else 0
-        return (2 * self.num_layers + 1) * self.hidden_size + qk
+        per_layer = 4 if self.post_norms else 2
+        return (per_layer * self.num_layers + 1) * self.hidden_size + qk
 
     def layer_linear_params(self, active: bool = False) -> int:
         """All matmul weights inside the decoder blocks (what quantisation touches);
@@ -194,7 +196,8 @@ def shape_from_config(config: dict, name: str = "model") -> ModelShape:
             qkv_bias=config.get("model_type") == "qwen2" or bool(config.get("attention_bias")),
             o_bias=bool(config.get("attention_bias")),
             mlp_bias=bool(config.get("mlp_bias")),
-            qk_norm=config.get("model_type") in ("qwen3", "qwen3_moe"),
+            qk_norm=config.get("model_type") in ("qwen3", "qwen3_moe", "gemma3", "gemma3_text"),
+            post_norms=config.get("model_type") in ("gemma2", "gemma3", "gemma3_text"),
             **_moe_shape(config),
         )
     except KeyError as exc:
