@@ -12,6 +12,12 @@
  * where G = Hq / Hkv query heads share a KV head (grouped-query attention) and
  * slot(b, t) = block_tables[b][t / block_size] * block_size + t % block_size.
  *
+ * Per layer (the `_win` exports): a sliding window of W tokens (W > 0) reads only the last W
+ * positions, t > context_lens[b] - 1 - W, as transformers' Mistral and Gemma masks do; blocks
+ * wholly before it are never read (the KV cache may have given them back: their table entries
+ * are placeholders). A soft-cap c > 0 turns each score s (scaled) into c tanh(s / c) before
+ * the softmax (Gemma 2). The plain exports are both off.
+ *
  * Layouts (elements, row-major): q [B, Hq, D] with rows q_stride apart; k, v [B, Hkv, D] with
  * rows k_stride / v_stride apart (the new token's K/V, stored at slots[b] first unless slots is
  * NULL); caches [num_slots, Hkv, D]; block_tables [B, max_blocks]; out [B, Hq, D] contiguous.
@@ -66,6 +72,25 @@ INLINE void prefetch_next_block(const void *cache, int bf16, const int64_t *tabl
         prefetch_bytes(p + i * row * size, D * size);
 }
 
+/* The first key a query at position len - 1 sees: the window's (window > 0) or key 0. */
+INLINE int64_t window_start(int64_t len, int64_t window)
+{
+    return window > 0 && len > window ? len - window : 0;
+}
+
+/* tanh(x) = 1 - 2 / (e^2x + 1), from exp_approx (which clamps, so +-1 at the ends): a form the
+ * compiler vectorizes, where libm's tanhf is a call per score. */
+INLINE float tanh_approx(float x) { return 1.f - 2.f / (exp_approx(2.f * x) + 1.f); }
+
+/* s -> cap tanh(s / cap) over n scores (cap > 0), in place: Gemma 2's attention soft-capping. */
+INLINE void softcap_scores(float *s, int64_t n, float cap)
+{
+    const float inv = 1.f / cap;
+#pragma omp simd
+    for (int64_t t = 0; t < n; t++)
+        s[t] = cap * tanh_approx(s[t] * inv);
+}
+
 /* Each of the `rows` rows of `scores` (len floats each) -> e^(s - its max), in place; their
  * sums into total. */
 INLINE void softmax_rows(float *scores, int64_t rows, int64_t len, float *total)
@@ -89,9 +114,12 @@ INLINE void softmax_rows(float *scores, int64_t rows, int64_t len, float *total)
 INLINE void attend_one_head(const void *q, int64_t q_row, const void *k_cache,
                             const void *v_cache, const int64_t *table, int64_t len,
                             int64_t block_size, int64_t row, int64_t h, int64_t G, float scale,
-                            void *out, int64_t out_row, float *scores, int bf16, int D)
+                            int64_t window, float softcap, void *out, int64_t out_row,
+                            float *scores, int bf16, int D)
 {
     float qf[G][D], acc[G][D], total[G], x[D];
+    /* keys lo .. len - 1; scores[g * nk + t - lo] */
+    const int64_t lo = window_start(len, window), nk = len - lo;
     for (int64_t g = 0; g < G; g++) {
         load_row(q, bf16, q_row + g * D, qf[g], D);
         for (int d = 0; d < D; d++) {
@@ -102,11 +130,11 @@ INLINE void attend_one_head(const void *q, int64_t q_row, const void *k_cache,
     /* Block by block, four tokens at a time (four independent sums per query head keep the
      * multiply-add units busy where one sum would wait on its own previous step). A block's
      * last group repeats its last token where it runs short, and drops those results. */
-    for (int64_t start = 0; start < len; start += block_size) {
+    for (int64_t start = lo - lo % block_size; start < len; start += block_size) {
         const int64_t base = table[start / block_size] * block_size * row + h * D;
         const int64_t n = len - start < block_size ? len - start : block_size;
         prefetch_next_block(k_cache, bf16, table, start, len, block_size, row, h, D);
-        for (int64_t i = 0; i < n; i += 4) {
+        for (int64_t i = start < lo ? lo - start : 0; i < n; i += 4) {
             float x[4][D];
             for (int j = 0; j < 4; j++)
                 load_row(k_cache, bf16, base + (i + j < n ? i + j : n - 1) * row, x[j], D);
@@ -121,20 +149,22 @@ INLINE void attend_one_head(const void *q, int64_t q_row, const void *k_cache,
                 }
                 const float sums[4] = {s0, s1, s2, s3};
                 for (int j = 0; j < 4 && i + j < n; j++)
-                    scores[g * len + start + i + j] = sums[j];
+                    scores[g * nk + start + i + j - lo] = sums[j];
             }
         }
     }
-    softmax_rows(scores, G, len, total);
+    if (softcap > 0.f)
+        softcap_scores(scores, G * nk, softcap);
+    softmax_rows(scores, G, nk, total);
     /* out = sum_t p_t V_t, normalized once at the end. */
-    for (int64_t start = 0; start < len; start += block_size) {
+    for (int64_t start = lo - lo % block_size; start < len; start += block_size) {
         const int64_t base = table[start / block_size] * block_size * row + h * D;
         const int64_t n = len - start < block_size ? len - start : block_size;
         prefetch_next_block(v_cache, bf16, table, start, len, block_size, row, h, D);
-        for (int64_t i = 0; i < n; i++) {
+        for (int64_t i = start < lo ? lo - start : 0; i < n; i++) {
             load_row(v_cache, bf16, base + i * row, x, D);
             for (int64_t g = 0; g < G; g++) {
-                const float p = scores[g * len + start + i];
+                const float p = scores[g * nk + start + i - lo];
                 for (int d = 0; d < D; d++)
                     acc[g][d] += p * x[d];
             }
@@ -281,31 +311,39 @@ INLINE const uint16_t *block_at(const uint16_t *cache, const int64_t *table, int
  * nh * G * len floats; qf, acc: nh * G * D each; total: nh * G. */
 INLINE void attend_heads(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
                          const int64_t *table, int64_t len, int64_t block_size, int64_t row,
-                         int64_t h0, int64_t nh, float scale, uint16_t *out, float *scores,
-                         float *qf, float *acc, float *total, const int G, const int D)
+                         int64_t h0, int64_t nh, float scale, int64_t window, float softcap,
+                         uint16_t *out, float *scores, float *qf, float *acc, float *total,
+                         const int G, const int D)
 {
     const int64_t heads = nh * G, first = h0 * G * D;
     for (int64_t i = 0; i < heads * D; i++) {
         qf[i] = bf16_to_float(q[first + i]) * scale;
         acc[i] = 0.f;
     }
+    /* keys lo .. len - 1 (the window's): rows of nk scores, key t at t - lo; the first block's
+     * rows before lo are skipped */
+    const int64_t lo = window_start(len, window), nk = len - lo;
     const int64_t blocks = (len + block_size - 1) / block_size, span = block_size * row;
-    for (int64_t i = 0; i < blocks; i++) {
+    for (int64_t i = lo / block_size; i < blocks; i++) {
         const int64_t start = i * block_size, n = block_rows(len, start, block_size);
+        const int64_t skip = start < lo ? lo - start : 0, at = (skip * row);
         const uint16_t *k = block_at(k_cache, table, i, blocks, span, h0 * D);
         const uint16_t *next = block_at(k_cache, table, i + 1, blocks, span, h0 * D);
         for (int64_t h = 0; h < nh; h++)
-            block_scores(qf + h * G * D, k + h * D, next ? next + h * D : NULL, row, n,
-                         scores + h * G * len + start, len, G, D);
+            block_scores(qf + h * G * D, k + at + h * D, next ? next + h * D : NULL, row,
+                         n - skip, scores + h * G * nk + start + skip - lo, nk, G, D);
     }
-    softmax_rows8(scores, heads, len, total);
-    for (int64_t i = 0; i < blocks; i++) {
+    if (softcap > 0.f)
+        softcap_scores(scores, heads * nk, softcap);
+    softmax_rows8(scores, heads, nk, total);
+    for (int64_t i = lo / block_size; i < blocks; i++) {
         const int64_t start = i * block_size, n = block_rows(len, start, block_size);
+        const int64_t skip = start < lo ? lo - start : 0, at = (skip * row);
         const uint16_t *v = block_at(v_cache, table, i, blocks, span, h0 * D);
         const uint16_t *next = block_at(v_cache, table, i + 1, blocks, span, h0 * D);
         for (int64_t h = 0; h < nh; h++)
-            block_values(scores + h * G * len + start, len, v + h * D, next ? next + h * D : NULL,
-                         row, n, acc + h * G * D, G, D);
+            block_values(scores + h * G * nk + start + skip - lo, nk, v + at + h * D,
+                         next ? next + h * D : NULL, row, n - skip, acc + h * G * D, G, D);
     }
     for (int64_t i = 0; i < heads; i++)
         store_row(out, 1, first + i * D, acc + i * D, 1.f / total[i], D);
@@ -317,13 +355,13 @@ INLINE void attend_heads(const uint16_t *q, const uint16_t *k_cache, const uint1
 __attribute__((noinline, noclone)) static void
 attend_heads_g(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
                const int64_t *table, int64_t len, int64_t block_size, int64_t row, int64_t h0,
-               int64_t nh, float scale, uint16_t *out, float *scores, float *qf, float *acc,
-               float *total, int64_t G, int D)
+               int64_t nh, float scale, int64_t window, float softcap, uint16_t *out,
+               float *scores, float *qf, float *acc, float *total, int64_t G, int D)
 {
     switch (G) {
 #define ATTEND(G_, D_)                                                                         \
-    attend_heads(q, k_cache, v_cache, table, len, block_size, row, h0, nh, scale, out, scores, \
-                 qf, acc, total, G_, D_)
+    attend_heads(q, k_cache, v_cache, table, len, block_size, row, h0, nh, scale, window,      \
+                 softcap, out, scores, qf, acc, total, G_, D_)
 #define CASE(G_)                                                                               \
     case G_:                                                                                   \
         if (D == 64)                                                                           \
@@ -340,8 +378,9 @@ attend_heads_g(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cac
 #define VECTOR_DECODE 0
 INLINE void attend_heads_g(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
                            const int64_t *table, int64_t len, int64_t block_size, int64_t row,
-                           int64_t h0, int64_t nh, float scale, uint16_t *out, float *scores,
-                           float *qf, float *acc, float *total, int64_t G, int D)
+                           int64_t h0, int64_t nh, float scale, int64_t window, float softcap,
+                           uint16_t *out, float *scores, float *qf, float *acc, float *total,
+                           int64_t G, int D)
 {
     /* not reached: VECTOR_DECODE is 0 */
 }
@@ -359,11 +398,12 @@ INLINE int vector_path(int bf16, int64_t D, int64_t G)
  * own sees BF16 and D as constants. Threads pay off once there are two heads and a little
  * context to share. */
 #define EXPORT(NAME, BF16, D)                                                                  \
-    void NAME(const void *q, int64_t q_stride, const void *k, int64_t k_stride, const void *v, \
-              int64_t v_stride, void *k_cache, void *v_cache, const int64_t *slots,            \
-              const int64_t *block_tables, int64_t max_blocks, const int64_t *context_lens,    \
-              int64_t B, int64_t Hq, int64_t Hkv, int64_t block_size, int64_t max_len,         \
-              float scale, void *out)                                                          \
+    void NAME##_win(const void *q, int64_t q_stride, const void *k, int64_t k_stride,          \
+                    const void *v, int64_t v_stride, void *k_cache, void *v_cache,             \
+                    const int64_t *slots, const int64_t *block_tables, int64_t max_blocks,     \
+                    const int64_t *context_lens, int64_t B, int64_t Hq, int64_t Hkv,           \
+                    int64_t block_size, int64_t max_len, float scale, int64_t window,          \
+                    float softcap, void *out)                                                  \
     {                                                                                          \
         const int64_t G = Hq / Hkv;                                                            \
         if (slots)                                                                             \
@@ -381,8 +421,9 @@ INLINE int vector_path(int bf16, int64_t D, int64_t G)
                     const int64_t b = t / (Hkv / per), h0 = t % (Hkv / per) * per;             \
                     attend_heads_g((const uint16_t *)q + b * q_stride, k_cache, v_cache,       \
                                    block_tables + b * max_blocks, context_lens[b], block_size, \
-                                   Hkv * D, h0, per, scale, (uint16_t *)out + b * Hq * D,      \
-                                   scores, qf, acc, acc + per * G * D, G, D);                  \
+                                   Hkv * D, h0, per, scale, window, softcap,                   \
+                                   (uint16_t *)out + b * Hq * D, scores, qf, acc,              \
+                                   acc + per * G * D, G, D);                                   \
                 }                                                                              \
                 free(scores);                                                                  \
             }                                                                                  \
@@ -396,10 +437,21 @@ INLINE int vector_path(int bf16, int64_t D, int64_t G)
                 for (int64_t h = 0; h < Hkv; h++)                                              \
                     attend_one_head(q, b * q_stride + h * G * D, k_cache, v_cache,             \
                                     block_tables + b * max_blocks, context_lens[b],            \
-                                    block_size, Hkv * D, h, G, scale, out,                     \
+                                    block_size, Hkv * D, h, G, scale, window, softcap, out,    \
                                     (b * Hq + h * G) * D, scores, BF16, D);                    \
             free(scores);                                                                      \
         }                                                                                      \
+    }                                                                                          \
+    /* full attention, no soft-capping: what the C layer loop (decode_stack.c) calls */        \
+    void NAME(const void *q, int64_t q_stride, const void *k, int64_t k_stride, const void *v, \
+              int64_t v_stride, void *k_cache, void *v_cache, const int64_t *slots,            \
+              const int64_t *block_tables, int64_t max_blocks, const int64_t *context_lens,    \
+              int64_t B, int64_t Hq, int64_t Hkv, int64_t block_size, int64_t max_len,         \
+              float scale, void *out)                                                          \
+    {                                                                                          \
+        NAME##_win(q, q_stride, k, k_stride, v, v_stride, k_cache, v_cache, slots,             \
+                   block_tables, max_blocks, context_lens, B, Hq, Hkv, block_size, max_len,    \
+                   scale, 0, 0.f, out);                                                        \
     }
 
 EXPORT(paged_decode_bf16_d16, 1, 16)

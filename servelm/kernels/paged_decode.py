@@ -2,12 +2,13 @@
 
     kernel = PagedDecodeKernel.load(torch.bfloat16, head_dim=64)   # None: use the torch path
     out = kernel(q, k, v, k_cache, v_cache, slots, block_tables, block_size, context_lens,
-                 max_len, scale)
+                 max_len, scale, window=None, softcap=None)
 
 q [B, Hq, D], k/v [B, Hkv, D] (rows may be strided views into a fused projection output);
 caches [num_slots, Hkv, D]; block_tables [B, max_blocks] int64; context_lens [B] int64, each
 counting the new token. `slots` [B] int64 stores k/v in the caches first; with None the caller
-has stored them already (k and v may then be None).
+has stored them already (k and v may then be None). `window`: attend to the last `window`
+positions only (None: all); `softcap`: scores -> softcap * tanh(scores / softcap) (None: off).
 """
 
 from __future__ import annotations
@@ -28,11 +29,16 @@ _HEAD_DIMS = (16, 32, 64, 128)  # the sizes paged_decode.c exports
 _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
 _ARGTYPES = [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr]
 _ARGTYPES += [_i64] * 5 + [ctypes.c_float, _ptr]
+# The `_win` exports: ... scale, window, softcap, out (0: off).
+_ARGTYPES_WIN = [*_ARGTYPES[:-1], _i64, ctypes.c_float, _ptr]
 
 
 class PagedDecodeKernel:
-    def __init__(self, fn: ctypes._CFuncPtr, dtype: torch.dtype, head_dim: int) -> None:
-        self.fn = fn
+    def __init__(
+        self, fn: ctypes._CFuncPtr, fn_win: ctypes._CFuncPtr, dtype: torch.dtype, head_dim: int
+    ) -> None:
+        self.fn = fn  # full attention (the C layer loop calls it)
+        self.fn_win = fn_win  # with a window and soft-capping
         self.name = fn.__name__
         self.dtype = dtype
         self.head_dim = head_dim
@@ -53,7 +59,9 @@ class PagedDecodeKernel:
             return None
         fn = getattr(lib, f"paged_decode_{_TYPES[dtype]}_d{head_dim}")
         fn.argtypes, fn.restype = _ARGTYPES, None
-        kernel = cls(fn, dtype, head_dim)
+        fn_win = getattr(lib, f"paged_decode_{_TYPES[dtype]}_d{head_dim}_win")
+        fn_win.argtypes, fn_win.restype = _ARGTYPES_WIN, None
+        kernel = cls(fn, fn_win, dtype, head_dim)
         lib.paged_decode_vector_path.argtypes, lib.paged_decode_vector_path.restype = (
             [_i64] * 2,
             _i64,
@@ -75,6 +83,8 @@ class PagedDecodeKernel:
         context_lens: torch.Tensor,
         max_len: int,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         if slots is None:  # stored already: the new rows are not read
             k = v = q.new_empty((0, 0, 0))
@@ -104,7 +114,7 @@ class PagedDecodeKernel:
         if not contiguous or not (slots is None or slots.is_contiguous()):
             raise ValueError("caches, block tables, context lengths and slots must be contiguous")
         out = torch.empty((batch, num_heads, self.head_dim), dtype=self.dtype)
-        self.fn(
+        self.fn_win(
             q.data_ptr(),
             q.stride(0),
             k.data_ptr(),
@@ -123,6 +133,8 @@ class PagedDecodeKernel:
             block_size,
             max_len,
             scale,
+            window or 0,
+            softcap or 0.0,
             out.data_ptr(),
         )
         return out

@@ -22,6 +22,14 @@
  * Layouts (elements, row-major): q [n, Hq, D] rows q_stride apart; caches [slots, Hkv, D];
  * blocks: the sequence's block table; out [n, Hq, D] rows out_stride apart. D % 32 == 0, at
  * most 256. bfloat16 only.
+ *
+ * Per layer (paged_prefill_bf16_win): a sliding window of W > 0 tokens, q_i seeing keys
+ * position - W < key <= position (transformers' Mistral and Gemma masks), and a soft-cap c > 0,
+ * each scaled score s becoming c tanh(s / c) before the mask (Gemma 2). Chunks of keys wholly
+ * before every query's window are neither packed nor read (the KV cache may have given their
+ * blocks back: placeholders in the table). A tile starts at the first chunk its first query
+ * needs; a lane whose keys all lie further on keeps m at -1e30, l and O at 0 over those chunks,
+ * which leaves its result the same to the bit as when it starts at its own first chunk.
  */
 
 #include <math.h>
@@ -37,6 +45,16 @@ INLINE int64_t slot_of(const int64_t *blocks, int64_t block_size, int64_t t)
 {
     return blocks[t / block_size] * block_size + t % block_size;
 }
+
+/* The first key that a query at `pos` sees: the window's (window > 0) or key 0. */
+INLINE int64_t first_key(int64_t pos, int64_t window)
+{
+    return window > 0 && pos >= window ? pos - window + 1 : 0;
+}
+
+/* Running maxima stay above this: a lane whose keys so far are all masked (outside its window)
+ * then gets e^(-huge) = 0-ish factors, never inf - inf. */
+#define M_FLOOR -1e30f
 
 #ifdef HAVE_AMX
 
@@ -55,6 +73,18 @@ INLINE __m512 exp2_512(__m512 y)
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93147181e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
     return _mm512_scalef_ps(p, n);
+}
+
+/* c log2(e) tanh(x / c) for 16 lanes (x the scaled score, c the soft-cap): the soft-capped
+ * score in the log2 units the softmax below works in. tanh(y) = 1 - 2 / (2^(2y log2 e) + 1);
+ * exp2_512 saturates at both ends, so it gives +-1 there. */
+INLINE __m512 softcap_log2_512(__m512 x, float cap)
+{
+    const __m512 e = exp2_512(_mm512_mul_ps(x, _mm512_set1_ps(2.f * 1.44269504f / cap)));
+    const __m512 t = _mm512_sub_ps(_mm512_set1_ps(1.f),
+                                   _mm512_div_ps(_mm512_set1_ps(2.f),
+                                                 _mm512_add_ps(e, _mm512_set1_ps(1.f))));
+    return _mm512_mul_ps(t, _mm512_set1_ps(cap * 1.44269504f));
 }
 
 /* The permutation that interleaves two rows of 16 bf16 (the low and high half of a vector)
@@ -97,13 +127,15 @@ INLINE void transpose16(__m512i r[16])
  * keys are interleaved first (each 32-bit word then holds one dim of both), then the 16 x 16
  * words of the slab are transposed: row d holds dim d of the 16 pairs. */
 static void pack_vt(const uint16_t *v_cache, const int64_t *blocks, int64_t block_size,
-                    int64_t ctx, int64_t Hkv, int64_t D, int64_t h, int64_t c, uint16_t *dst)
+                    int64_t lo, int64_t ctx, int64_t Hkv, int64_t D, int64_t h, int64_t c,
+                    uint16_t *dst)
 {
     const __m512i pairs = pair_up();
     const uint16_t *rows[KC];
-    for (int64_t k = 0; k < KC; k++) {
+    for (int64_t k = 0; k < KC; k++) { /* keys before lo (no query's) as zeros, never read */
         const int64_t t = c * KC + k;
-        rows[k] = t < ctx ? v_cache + (slot_of(blocks, block_size, t) * Hkv + h) * D : NULL;
+        rows[k] = t >= lo && t < ctx ? v_cache + (slot_of(blocks, block_size, t) * Hkv + h) * D
+                                     : NULL;
     }
     for (int64_t j = 0; j < D / 16; j++) {
         __m512i words[16]; /* [pair][dim of the slab], then [dim][pair] */
@@ -202,15 +234,16 @@ static void values_d64(const uint16_t *pt, const uint16_t *v, float *ot)
     _tile_stored(3, ot + 48 * QT, 64);
 }
 
-/* S^T of chunk c of KV head h into s. */
+/* S^T of chunk c of KV head h into s; a half wholly before key lo (before every query's window:
+ * its block may have been given back) is not read. */
 INLINE void chunk_scores(const uint16_t *k_cache, const int64_t *blocks, int64_t block_size,
-                         int64_t ctx, int64_t Hkv, int64_t D, int64_t h, int64_t c,
+                         int64_t lo, int64_t ctx, int64_t Hkv, int64_t D, int64_t h, int64_t c,
                          const uint16_t (*qt)[16 * 32], float *s)
 {
     const uint16_t *k[2] = {NULL, NULL};
     for (int half = 0; half < 2; half++) { /* 16 keys: one block's worth (or part of one) */
         const int64_t t0 = c * KC + half * 16;
-        if (t0 < ctx)
+        if (t0 < ctx && t0 + 16 > lo)
             k[half] = k_cache + (slot_of(blocks, block_size, t0) * Hkv + h) * D;
     }
     if (D == 64)
@@ -227,22 +260,27 @@ INLINE void chunk_scores(const uint16_t *k_cache, const int64_t *blocks, int64_t
 static void attend_tile(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
                         const uint16_t *vt, const int64_t *blocks, int64_t block_size, int64_t n,
                         int64_t ctx, int64_t Hq, int64_t Hkv, int64_t D, int64_t h, int64_t t0,
-                        float scale, uint16_t *out, int64_t out_stride)
+                        float scale, int64_t window, float softcap, uint16_t *out,
+                        int64_t out_stride)
 {
     const int64_t G = Hq / Hkv, rows = n * G - t0 < QT ? n * G - t0 : QT;
     const int64_t first_pos = ctx - n + t0 / G, last_pos = ctx - n + (t0 + rows - 1) / G;
     const int64_t chunks = last_pos / KC + 1, vt_chunk = D * KC;
+    const int64_t first_chunk = first_key(first_pos, window) / KC;
+    const int64_t lo = first_key(ctx - n, window); /* no query of the call sees keys before */
     __attribute__((aligned(64))) uint16_t qt[256 / 32][16 * 32]; /* Q^T, pairs of dims */
     __attribute__((aligned(64))) float s[2][KC * QT];             /* S^T of two chunks */
     __attribute__((aligned(64))) uint16_t pt[16 * 32];            /* P^T, pairs of keys */
     __attribute__((aligned(64))) float ot[256 * QT];              /* O^T */
     int32_t q_at[QT], pos_lanes[QT]; /* each lane's q row (in 32-bit words) and position */
+    int32_t below_lanes[QT];         /* keys at or below this lie outside the lane's window */
     int64_t out_at[QT];
     for (int64_t r = 0; r < QT; r++) { /* padding lanes repeat the last real one */
         const int64_t t = t0 + (r < rows ? r : rows - 1), i = t / G, head = h * G + t % G;
         q_at[r] = (int32_t)((i * q_stride + head * D) / 2);
         out_at[r] = i * out_stride + head * D;
         pos_lanes[r] = (int32_t)(ctx - n + i);
+        below_lanes[r] = (int32_t)(first_key(ctx - n + i, window) - 1);
     }
 
     /* Q^T as the second operand: row r of slab j holds dims (32j + 2r, +1) of each lane's
@@ -257,9 +295,10 @@ static void attend_tile(const uint16_t *q, int64_t q_stride, const uint16_t *k_c
                                                        _mm512_add_epi32(row_words,
                                                                         _mm512_set1_epi32(w)),
                                                        q_words, 4));
-    const __m512i pos = _mm512_loadu_si512(pos_lanes);
+    const __m512i pos = _mm512_loadu_si512(pos_lanes), below = _mm512_loadu_si512(below_lanes);
     const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
-    const __m512 log2_scale = _mm512_set1_ps(scale * 1.44269504f);
+    /* soft-capped scores come in log2 units already */
+    const __m512 log2_scale = _mm512_set1_ps(softcap > 0.f ? 1.f : scale * 1.44269504f);
     const __m512i pairs = pair_up();
     __m512 m = neg_inf, l = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; d++)
@@ -267,23 +306,35 @@ static void attend_tile(const uint16_t *q, int64_t q_stride, const uint16_t *k_c
 
     /* S^T of the next chunk goes to the tile unit before this chunk's softmax, which then
      * runs while the products and their store complete */
-    chunk_scores(k_cache, blocks, block_size, ctx, Hkv, D, h, 0, qt, s[0]);
-    for (int64_t c = 0; c < chunks; c++) {
-        const float *sc = s[c & 1];
+    chunk_scores(k_cache, blocks, block_size, lo, ctx, Hkv, D, h, first_chunk, qt,
+                 s[first_chunk & 1]);
+    for (int64_t c = first_chunk; c < chunks; c++) {
+        float *sc = s[c & 1];
         if (c + 1 < chunks)
-            chunk_scores(k_cache, blocks, block_size, ctx, Hkv, D, h, c + 1, qt, s[(c + 1) & 1]);
+            chunk_scores(k_cache, blocks, block_size, lo, ctx, Hkv, D, h, c + 1, qt,
+                         s[(c + 1) & 1]);
+        if (softcap > 0.f)
+            for (int k = 0; k < KC; k++)
+                _mm512_store_ps(sc + k * QT,
+                                softcap_log2_512(_mm512_mul_ps(_mm512_load_ps(sc + k * QT),
+                                                               _mm512_set1_ps(scale)),
+                                                 softcap));
 
         /* online softmax, in log2 units (scores times scale * log2 e); lanes are queries */
-        const int masked = c * KC + KC - 1 > first_pos;
+        const int masked = c * KC + KC - 1 > first_pos || window > 0;
         __mmask16 ok[KC];
         __m512 chunk_max = neg_inf;
         for (int k = 0; k < KC; k++) {
-            ok[k] = masked ? _mm512_cmple_epi32_mask(_mm512_set1_epi32(c * KC + k), pos) : 0xffff;
+            const __m512i key = _mm512_set1_epi32(c * KC + k);
+            ok[k] = masked ? _mm512_cmple_epi32_mask(key, pos) : 0xffff;
+            if (window > 0)
+                ok[k] &= _mm512_cmpgt_epi32_mask(key, below);
             const __m512 sk = _mm512_load_ps(sc + k * QT);
             chunk_max = _mm512_mask_max_ps(chunk_max, ok[k], chunk_max, sk);
         }
-        /* finite: key 0 is in chunk 0 */
-        const __m512 m_new = _mm512_max_ps(m, _mm512_mul_ps(chunk_max, log2_scale));
+        /* finite: a lane with no key yet keeps M_FLOOR */
+        const __m512 m_new = _mm512_max_ps(_mm512_max_ps(m, _mm512_mul_ps(chunk_max, log2_scale)),
+                                           _mm512_set1_ps(M_FLOOR));
         const __m512 alpha = exp2_512(_mm512_sub_ps(m, m_new));
         m = m_new;
         __m512 sum = _mm512_setzero_ps();
@@ -364,15 +415,17 @@ INLINE void transpose8(__m256 r[8])
     }
 }
 
-/* Keys 8c .. 8c + 7 of KV head h into kt and vf (zeros past ctx). */
+/* Keys 8c .. 8c + 7 of KV head h into kt and vf (zeros past ctx, and before lo: no query of the
+ * call sees those, whose blocks may have been given back). */
 static void widen_chunk(const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *blocks,
-                        int64_t block_size, int64_t ctx, int64_t Hkv, int64_t D, int64_t h,
-                        int64_t c, float *kt, float *vf)
+                        int64_t block_size, int64_t lo, int64_t ctx, int64_t Hkv, int64_t D,
+                        int64_t h, int64_t c, float *kt, float *vf)
 {
     const uint16_t *k_rows[8], *v_rows[8];
     for (int j = 0; j < 8; j++) {
         const int64_t t = 8 * c + j;
-        const int64_t row = t < ctx ? (slot_of(blocks, block_size, t) * Hkv + h) * D : -1;
+        const int64_t row =
+            t >= lo && t < ctx ? (slot_of(blocks, block_size, t) * Hkv + h) * D : -1;
         k_rows[j] = row < 0 ? NULL : k_cache + row;
         v_rows[j] = row < 0 ? NULL : v_cache + row;
     }
@@ -391,24 +444,43 @@ static void widen_chunk(const uint16_t *k_cache, const uint16_t *v_cache, const 
 
 #define KEY_GROUPS 4 /* chunks of 8 keys per softmax update (8 was no faster) */
 
-/* Lanes (queries) that see key t: t < pos_i + 1, with past = pos + 1 */
-INLINE __m256 sees(__m256i past, int64_t t)
+/* The first chunk (of 8 keys) of the group of KEY_GROUPS chunks that holds `key`: groups start
+ * at multiples of KEY_GROUPS whatever a task's queries, so that a query's softmax updates fall
+ * on the same keys alone or among others (batch invariance) */
+INLINE int64_t first_group(int64_t key) { return key / 8 / KEY_GROUPS * KEY_GROUPS; }
+
+/* c tanh(x / c) for 8 lanes: 1 - 2 / (e^2y + 1), exp_approx8 clamping to +-1 at the ends */
+INLINE __m256 softcap8(__m256 x, float cap)
 {
-    return _mm256_castsi256_ps(_mm256_cmpgt_epi32(past, _mm256_set1_epi32((int)t)));
+    const __m256 e = exp_approx8(_mm256_mul_ps(x, _mm256_set1_ps(2.f / cap)));
+    const __m256 t = _mm256_sub_ps(_mm256_set1_ps(1.f),
+                                   _mm256_div_ps(_mm256_set1_ps(2.f),
+                                                 _mm256_add_ps(e, _mm256_set1_ps(1.f))));
+    return _mm256_mul_ps(t, _mm256_set1_ps(cap));
+}
+
+/* Lanes (queries) that see key t: below_i < t < pos_i + 1, with past = pos + 1 and below the
+ * last key before the lane's window (-1 without one) */
+INLINE __m256 sees_window(__m256i past, __m256i below, int64_t t)
+{
+    const __m256i key = _mm256_set1_epi32((int)t);
+    return _mm256_castsi256_ps(
+        _mm256_and_si256(_mm256_cmpgt_epi32(past, key), _mm256_cmpgt_epi32(key, below)));
 }
 
 /* 8 lanes of KV head h over its widened context: lane r is pair t0 + r of (query i, head j of
  * the group), t = i * G + j, as on the tiles above (each lane's arithmetic its own). */
 static void attend_queries(const uint16_t *q, int64_t q_stride, const float *kt, const float *vf,
                            int64_t n, int64_t ctx, int64_t Hq, int64_t Hkv, int64_t D, int64_t h,
-                           int64_t t0, float scale, uint16_t *out, int64_t out_stride)
+                           int64_t t0, float scale, int64_t window, float softcap, uint16_t *out,
+                           int64_t out_stride)
 {
     const int64_t G = Hq / Hkv, rows = n * G - t0 < 8 ? n * G - t0 : 8;
     const int64_t first_pos = ctx - n + t0 / G, last_pos = ctx - n + (t0 + rows - 1) / G;
     const int64_t chunks = last_pos / 8 + 1;
     float qs[8][256], o[8][256];
     __attribute__((aligned(32))) float pt[8 * KEY_GROUPS][8], alpha[8]; /* P^T [key][query] */
-    int32_t pos_lanes[8]; /* padding lanes repeat the last real one */
+    int32_t pos_lanes[8], below_lanes[8]; /* padding lanes repeat the last real one */
     int64_t out_at[8];
     for (int r = 0; r < 8; r++) {
         const int64_t t = t0 + (r < rows ? r : rows - 1), i = t / G, head = h * G + t % G;
@@ -418,16 +490,19 @@ static void attend_queries(const uint16_t *q, int64_t q_stride, const float *kt,
             _mm256_storeu_ps(o[r] + d, _mm256_setzero_ps());
         }
         pos_lanes[r] = (int32_t)(ctx - n + i);
+        below_lanes[r] = (int32_t)(first_key(ctx - n + i, window) - 1);
         out_at[r] = i * out_stride + head * D;
     }
     const __m256i past = _mm256_add_epi32(_mm256_loadu_si256((const __m256i *)pos_lanes),
                                           _mm256_set1_epi32(1));
+    const __m256i below = _mm256_loadu_si256((const __m256i *)below_lanes);
     __m256 m = _mm256_set1_ps(-INFINITY), l = _mm256_setzero_ps(); /* lanes: queries */
-    for (int64_t c0 = 0; c0 < chunks; c0 += KEY_GROUPS) {
+    for (int64_t c0 = first_group(first_key(first_pos, window)); c0 < chunks; c0 += KEY_GROUPS) {
         const int groups = chunks - c0 < KEY_GROUPS ? (int)(chunks - c0) : KEY_GROUPS;
         const int keys = 8 * groups;
-        /* all but the last groups of keys lie at or before every query: no masking there */
-        const int all_see = 8 * (c0 + groups) - 1 <= first_pos;
+        /* all but the last groups of keys lie at or before every query, and (no window) after
+         * none's first key: no masking there */
+        const int all_see = 8 * (c0 + groups) - 1 <= first_pos && window <= 0;
         __m256 top = _mm256_set1_ps(-INFINITY);
         for (int gi = 0; gi < groups; gi++) {
             /* s[i] lanes = the chunk's 8 keys, for query i; then transposed: lanes = queries */
@@ -442,24 +517,27 @@ static void attend_queries(const uint16_t *q, int64_t q_stride, const float *kt,
                     s[i] = _mm256_fmadd_ps(kd, _mm256_broadcast_ss(qs[i] + d), s[i]);
             }
             transpose8(s);
-            /* keys past a query's position masked (-inf) */
+            /* keys past a query's position, or before its window, masked (-inf) */
             for (int j = 0; j < 8; j++) {
+                if (softcap > 0.f)
+                    s[j] = softcap8(s[j], softcap);
                 if (!all_see)
                     s[j] = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s[j],
-                                            sees(past, 8 * c + j));
+                                            sees_window(past, below, 8 * c + j));
                 top = _mm256_max_ps(top, s[j]);
                 _mm256_store_ps(pt[8 * gi + j], s[j]);
             }
         }
-        /* online softmax, lanes = queries; key 0 is in chunk 0, so m_new is finite, and alpha
-         * is (about) 0 there; masked keys' p is 0 */
-        const __m256 m_new = _mm256_max_ps(m, top);
+        /* online softmax, lanes = queries; m_new is finite (M_FLOOR where a lane has seen no
+         * key yet), and alpha is (about) 0 the first time; masked keys' p is 0 */
+        const __m256 m_new = _mm256_max_ps(_mm256_max_ps(m, top), _mm256_set1_ps(M_FLOOR));
         const __m256 a = exp_approx8(_mm256_sub_ps(m, m_new));
         m = m_new;
         __m256 sum = _mm256_setzero_ps();
         for (int j = 0; j < keys; j++) { /* (exp_approx8 of -inf is tiny, not 0: masked again) */
             const __m256 e = exp_approx8(_mm256_sub_ps(_mm256_load_ps(pt[j]), m_new));
-            const __m256 p = all_see ? e : _mm256_and_ps(e, sees(past, 8 * c0 + j));
+            const __m256 p =
+                all_see ? e : _mm256_and_ps(e, sees_window(past, below, 8 * c0 + j));
             sum = _mm256_add_ps(sum, p);
             _mm256_store_ps(pt[j], p);
         }
@@ -525,19 +603,24 @@ int64_t paged_prefill_available(void)
 #endif
 }
 
-void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
-                        const uint16_t *v_cache, const int64_t *blocks, int64_t block_size,
-                        int64_t n, int64_t ctx, int64_t Hq, int64_t Hkv, int64_t D, float scale,
-                        uint16_t *out, int64_t out_stride, uint16_t *scratch)
+void paged_prefill_bf16_win(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
+                            const uint16_t *v_cache, const int64_t *blocks, int64_t block_size,
+                            int64_t n, int64_t ctx, int64_t Hq, int64_t Hkv, int64_t D,
+                            float scale, int64_t window, float softcap, uint16_t *out,
+                            int64_t out_stride, uint16_t *scratch)
 {
 #ifdef HAVE_AMX
     const int64_t chunks = (ctx + KC - 1) / KC, tiles = (n * (Hq / Hkv) + QT - 1) / QT;
+    /* chunks before the first query's window are read by no tile */
+    const int64_t skip = first_key(ctx - n, window) / KC, packed = chunks - skip;
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
-        for (int64_t hc = 0; hc < Hkv * chunks; hc++)
-            pack_vt(v_cache, blocks, block_size, ctx, Hkv, D, hc / chunks, hc % chunks,
-                    scratch + hc * D * KC);
+        for (int64_t hc = 0; hc < Hkv * packed; hc++) {
+            const int64_t h = hc / packed, c = skip + hc % packed;
+            pack_vt(v_cache, blocks, block_size, first_key(ctx - n, window), ctx, Hkv, D, h, c,
+                    scratch + (h * chunks + c) * D * KC);
+        }
         struct tile_config cfg = {.palette = 1};
         for (int t = 0; t < 8; t++) {
             cfg.rows[t] = 16;
@@ -549,33 +632,45 @@ void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_c
         for (int64_t item = 0; item < Hkv * tiles; item++) {
             const int64_t tile = tiles - 1 - item / Hkv, h = item % Hkv;
             attend_tile(q, q_stride, k_cache, scratch, blocks, block_size, n, ctx, Hq, Hkv, D,
-                        h, tile * QT, scale, out, out_stride);
+                        h, tile * QT, scale, window, softcap, out, out_stride);
         }
         _tile_release();
     }
 #elif defined(VECTOR_PREFILL)
     const int64_t keys = keys_padded(ctx), items = (n * (Hq / Hkv) + 7) / 8;
     float *kt = (float *)scratch, *vf = kt + Hkv * keys * D;
+    /* chunks before the first query's window's group are read by no task */
+    const int64_t skip = first_group(first_key(ctx - n, window)), widened = keys / 8 - skip;
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
-        for (int64_t hc = 0; hc < Hkv * (keys / 8); hc++) {
-            const int64_t h = hc / (keys / 8);
-            widen_chunk(k_cache, v_cache, blocks, block_size, ctx, Hkv, D, h, hc % (keys / 8),
-                        kt + h * keys * D, vf + h * keys * D);
+        for (int64_t hc = 0; hc < Hkv * widened; hc++) {
+            const int64_t h = hc / widened;
+            widen_chunk(k_cache, v_cache, blocks, block_size, first_key(ctx - n, window), ctx, Hkv,
+                        D, h, skip + hc % widened, kt + h * keys * D, vf + h * keys * D);
         }
         /* the last queries see the most keys: hand them out first */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < Hkv * items; item++) {
             const int64_t tile = items - 1 - item / Hkv, h = item % Hkv;
             attend_queries(q, q_stride, kt + h * keys * D, vf + h * keys * D, n, ctx, Hq, Hkv, D,
-                           h, tile * 8, scale, out, out_stride);
+                           h, tile * 8, scale, window, softcap, out, out_stride);
         }
     }
 #else
     (void)q, (void)q_stride, (void)k_cache, (void)v_cache, (void)blocks, (void)block_size;
     (void)n, (void)ctx, (void)Hq, (void)Hkv, (void)D, (void)scale, (void)out, (void)out_stride;
-    (void)scratch;
+    (void)scratch, (void)window, (void)softcap;
     abort(); /* callers ask paged_prefill_available() first */
 #endif
+}
+
+/* Full attention, no soft-capping: what the C layer loop (decode_stack.c) calls. */
+void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
+                        const uint16_t *v_cache, const int64_t *blocks, int64_t block_size,
+                        int64_t n, int64_t ctx, int64_t Hq, int64_t Hkv, int64_t D, float scale,
+                        uint16_t *out, int64_t out_stride, uint16_t *scratch)
+{
+    paged_prefill_bf16_win(q, q_stride, k_cache, v_cache, blocks, block_size, n, ctx, Hq, Hkv, D,
+                           scale, 0, 0.f, out, out_stride, scratch);
 }

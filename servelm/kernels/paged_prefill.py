@@ -1,12 +1,15 @@
 """The CPU prefill attention of `paged_prefill.c` (AMX tiles, or AVX2), called on torch tensors.
 
     kernel = PagedPrefillKernel.load(torch.bfloat16, head_dim=64, block_size=16)  # None: SDPA
-    kernel(q, k_cache, v_cache, blocks, context_len, scale, out)
+    kernel(q, k_cache, v_cache, blocks, block_size, context_len, scale, out,
+           window=None, softcap=None)
 
 q [n, Hq, D]: the n newest tokens of one sequence (rows may be strided views into a fused
 projection output), already stored in the caches [num_slots, Hkv, D] with the rest of its
 context; blocks: its block table (int64); out [n, Hq, D], written in place (a row view of the
-step's output is fine). Query i sits at position context_len - n + i and sees keys up to it.
+step's output is fine). Query i sits at position context_len - n + i and sees keys up to it,
+or with a `window` W only the last W of them (position - W < key); `softcap` c turns each scaled
+score s into c tanh(s / c) (None: off).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ SOURCE = Path(__file__).with_name("paged_prefill.c")
 # out_stride, scratch
 _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
 _ARGTYPES = [_ptr, _i64, _ptr, _ptr, _ptr] + [_i64] * 6 + [ctypes.c_float, _ptr, _i64, _ptr]
+# paged_prefill_bf16_win: ... scale, window, softcap, out, out_stride, scratch (0: off)
+_ARGTYPES_WIN = [*_ARGTYPES[:12], _i64, ctypes.c_float, *_ARGTYPES[12:]]
 
 
 PATHS = {1: "AMX", 2: "AVX2"}  # paged_prefill_available()'s answers
@@ -34,8 +39,10 @@ PATHS = {1: "AMX", 2: "AVX2"}  # paged_prefill_available()'s answers
 class PagedPrefillKernel:
     def __init__(self, lib: ctypes.CDLL, head_dim: int, path: int) -> None:
         self.name = f"paged_prefill_bf16 ({PATHS[path]})"
-        self.fn = lib.paged_prefill_bf16
+        self.fn = lib.paged_prefill_bf16  # full attention (the C layer loop calls it)
         self.fn.argtypes, self.fn.restype = _ARGTYPES, None
+        self.fn_win = lib.paged_prefill_bf16_win  # with a window and soft-capping
+        self.fn_win.argtypes, self.fn_win.restype = _ARGTYPES_WIN, None
         self.scratch_bytes = lib.paged_prefill_scratch_bytes
         self.scratch_bytes.argtypes, self.scratch_bytes.restype = [_i64] * 3, _i64
         self.head_dim = head_dim
@@ -75,6 +82,8 @@ class PagedPrefillKernel:
         context_len: int,
         scale: float,
         out: torch.Tensor,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         q = rows_of_heads(q)
         if q.stride(0) % 2:  # the kernel reads q's rows as 32-bit words
@@ -98,7 +107,7 @@ class PagedPrefillKernel:
         if blocks.dtype != torch.int64 or out.stride(2) != 1 or out.stride(1) != d:
             raise ValueError("blocks must be int64 and out's heads side by side")
         scratch = self.scratch(context_len, num_kv_heads, d)
-        self.fn(
+        self.fn_win(
             q.data_ptr(),
             q.stride(0),
             k_cache.data_ptr(),
@@ -111,6 +120,8 @@ class PagedPrefillKernel:
             num_kv_heads,
             d,
             scale,
+            window or 0,
+            softcap or 0.0,
             out.data_ptr(),
             out.stride(0),
             scratch,

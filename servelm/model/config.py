@@ -124,6 +124,7 @@ def spec_from_dict(cfg: dict[str, Any]) -> ModelSpec:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_as_tuple(cfg.get("eos_token_id")),
             sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window") else None,
+            layer_windows=_mistral_qwen2_windows(arch, cfg, int(cfg["num_hidden_layers"])),
             **_moe_fields(arch, cfg),
         )
         return replace(spec, **_family_fields(spec, cfg))
@@ -251,6 +252,23 @@ def _family_fields(spec: ModelSpec, cfg: dict[str, Any]) -> dict[str, Any]:
             if full.get("rope_theta"):
                 fields["rope_theta"] = float(full["rope_theta"])
     return fields
+
+
+def _mistral_qwen2_windows(arch: str, cfg: dict[str, Any], n: int) -> tuple[int | None, ...]:
+    """Per-layer windows as transformers applies them: Mistral's `sliding_window` on every
+    layer (null: none); Qwen2's only with `use_sliding_window`, on the layers its `layer_types`
+    name (transformers 5) or else from `max_window_layers` on. () for no window."""
+    window = cfg.get("sliding_window")
+    if not window:
+        return ()
+    if arch == "MistralForCausalLM":
+        return (int(window),) * n
+    if arch != "Qwen2ForCausalLM" or not cfg.get("use_sliding_window"):
+        return ()
+    types = cfg.get("layer_types")
+    first = int(cfg.get("max_window_layers") or 0)
+    sliding = [t == "sliding_attention" for t in types] if types else [i >= first for i in range(n)]
+    return tuple(int(window) if s else None for s in sliding) if any(sliding) else ()
 
 
 def load_spec(model_dir: str | Path) -> ModelSpec:

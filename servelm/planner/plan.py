@@ -10,7 +10,10 @@ budget per GPU is the engine's view (decimal GB, like the GPU catalog):
 
 Concurrency counts whole blocks per request (a 2,500-token request holds 157 blocks),
 the way an engine reports "maximum concurrency". The plan fits when the pool holds at
-least one request of `max_model_len` tokens.
+least one request of `max_model_len` tokens. Where every layer has a sliding window
+(`ModelShape.kv_window`, Mistral's), the engine gives back the blocks behind it, so a
+request holds at most window + one block of tokens, whatever its length; one
+full-attention layer (Gemma's global ones) keeps every block.
 
 Cold start per weight source = weights / storage read bandwidth + this GPU's weights /
 PCIe bandwidth + a warm-up allowance (profiling, CUDA-graph capture). The defaults are
@@ -88,8 +91,11 @@ class Plan:
     cold_start: list[ColdStart] = field(default_factory=list)
 
 
-def blocks_per_request(tokens: int, block_size: int) -> int:
-    """Blocks one request of `tokens` tokens holds (the last one may be partly empty)."""
+def blocks_per_request(tokens: int, block_size: int, window: int = 0) -> int:
+    """Blocks one request of `tokens` tokens holds (the last one may be partly empty); with
+    every layer's `window` (0: none), those of its last window + one block at most."""
+    if window:
+        tokens = min(tokens, window + block_size)
     return -(-tokens // block_size)
 
 
@@ -129,7 +135,8 @@ def plan(
     pool = usable - weights - allowance_bytes
     blocks = max(0, int(pool // (kv_token * block_size)))
     tokens = blocks * block_size
-    fits = tokens >= max_len
+    window = model.kv_window
+    fits = blocks >= blocks_per_request(max_len, block_size, window)
     min_tp = _smallest_fitting_tp(
         model, gpu, weight_dtype, kv_dtype, usable, allowance_bytes, block_size, max_len
     )
@@ -161,10 +168,15 @@ def plan(
         kv_pool_bytes=pool,
         kv_capacity_blocks=blocks,
         kv_capacity_tokens=tokens,
-        max_concurrency=blocks / blocks_per_request(max_len, block_size),
-        typical_concurrency=blocks / blocks_per_request(typical_len, block_size),
+        max_concurrency=blocks / blocks_per_request(max_len, block_size, window),
+        typical_concurrency=blocks / blocks_per_request(typical_len, block_size, window),
         fits=fits,
-        verdict=_verdict(fits, weights, usable, allowance_bytes, tokens, max_len, tp, min_tp),
+        verdict=_verdict(fits, weights, usable, allowance_bytes, tokens, max_len, tp, min_tp)
+        + (
+            f" (sliding window {window:,}: a request holds at most {window + block_size:,})"
+            if window
+            else ""
+        ),
         min_tp=min_tp,
         q_heads_per_gpu=q_heads,
         kv_heads_per_gpu=kv_heads,
@@ -189,7 +201,8 @@ def _smallest_fitting_tp(
             kv_block = model.kv_bytes_per_token(kv_dtype, tp) * block_size
         except ShapeError:
             continue  # heads do not split this way
-        if pool > 0 and int(pool // kv_block) * block_size >= max_len:
+        need = blocks_per_request(max_len, block_size, model.kv_window)
+        if pool > 0 and int(pool // kv_block) >= need:
             return tp
     return None
 

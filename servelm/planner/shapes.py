@@ -61,6 +61,9 @@ class ModelShape:
     o_bias: bool = False  # Llama `attention_bias=True` also puts one on o_proj
     mlp_bias: bool = False
     hf_id: str = ""  # where the catalog entry's numbers come from
+    # Every layer's sliding window (Mistral's; 0: some layer sees the whole context): the
+    # engine gives back KV blocks behind it (planner/plan.py counts it).
+    kv_window: int = 0
     qk_norm: bool = False  # per-head RMSNorm weights on q and k (Qwen3, Gemma 3)
     post_norms: bool = False  # Gemma 2/3: norms after attention and MLP too (4 per layer)
     # Mixture of experts (0 experts: dense); `dense_layers` keep the dense MLP (Qwen3-MoE's
@@ -176,6 +179,18 @@ class ModelShape:
         return 2 * self.num_layers * kv_heads * self.head_dim * KV_BYTES[kv_dtype]
 
 
+def _kv_window(config: dict) -> int:
+    """The window of every layer as the engine reads the config (0: none, or a layer without
+    one, such as Gemma's global layers, or a config servelm cannot read)."""
+    from servelm.engine.kv_cache.manager import kv_window
+    from servelm.model.config import ModelConfigError, spec_from_dict
+
+    try:
+        return kv_window(spec_from_dict(config).layer_windows) or 0
+    except (ModelConfigError, KeyError, TypeError, ValueError):
+        return 0
+
+
 def shape_from_config(config: dict, name: str = "model") -> ModelShape:
     """Build a ModelShape from a parsed Llama / Mistral / Qwen2 config.json."""
     config = config.get("text_config", config)  # multimodal wrappers nest the LM config
@@ -196,6 +211,7 @@ def shape_from_config(config: dict, name: str = "model") -> ModelShape:
             qkv_bias=config.get("model_type") == "qwen2" or bool(config.get("attention_bias")),
             o_bias=bool(config.get("attention_bias")),
             mlp_bias=bool(config.get("mlp_bias")),
+            kv_window=_kv_window(config),
             qk_norm=config.get("model_type") in ("qwen3", "qwen3_moe", "gemma3", "gemma3_text"),
             post_norms=config.get("model_type") in ("gemma2", "gemma3", "gemma3_text"),
             **_moe_shape(config),

@@ -20,10 +20,21 @@ token, none of a chunk that does not finish its prompt. `kept_rows` names them (
 row stays), and `attn(..., kept_only=True)` stores every token's K/V as usual but attends for
 those rows alone, in their order: the layer's projections and MLP then run on them alone too.
 A request that scores its prompt (prompt logprobs) keeps every row of its chunk (`keep_all`).
+
+Per layer, from the model's spec (`for_model`): a sliding window W (`spec.window(i)`: a query
+at position p sees keys p - W < key <= p, transformers' Mistral / Gemma mask), the scale
+(`spec.attn_scale`, else head_dim ** -0.5) and soft-capping (`spec.attn_logit_softcap`: each
+scaled score s becomes c tanh(s / c) before the mask and softmax, Gemma 2). Every path honours
+all three: the C kernels take them as arguments; the torch path masks per window (the masks
+made once per step and window) and, with soft-capping, which SDPA cannot do, computes the
+scores itself. Blocks wholly before every layer's window may have been given back to the pool
+(engine/kv_cache): their entries in a block table are placeholders, which the C kernels never
+read and the torch path reads and masks (a pool's contents are always finite).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,6 +43,7 @@ import torch.nn.functional as F
 
 from servelm.kernels.paged_decode import PagedDecodeKernel
 from servelm.kernels.paged_prefill import PagedPrefillKernel
+from servelm.model.config import ModelSpec
 
 
 @dataclass
@@ -44,6 +56,22 @@ class PrefillChunk:
     # (or a prefill kernel that needs no mask)
     kept: int = -1  # its last token's row among the kept rows; -1: the chunk samples nothing
     all_rows: bool = False  # every row of the chunk is kept (ending at `kept`), not the last alone
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> its causal
+
+    def mask(self, window: int | None, dtype: torch.dtype) -> torch.Tensor | None:
+        """The torch path's mask for a layer with this window (None: `causal`), made once per
+        step and window: query i (position context_len - num_tokens + i) sees keys in
+        (position - window, position]."""
+        if window is None or window >= self.context_len:
+            return self.causal
+        mask = self.window_masks.get(window)
+        if mask is None:
+            pos = np.arange(self.context_len - self.num_tokens, self.context_len)[:, None]
+            keys = np.arange(self.context_len)[None, :]
+            allowed = (keys <= pos) & (keys > pos - window)
+            mask = additive_mask(allowed, dtype, self.context_blocks.device)
+            self.window_masks[window] = mask
+        return mask
 
 
 @dataclass
@@ -65,6 +93,22 @@ class AttentionMetadata:
     decode_runs: list[tuple[int, int, int, int]] = field(default_factory=list)
     # keep_all requests: request index -> its first row's place among the rows the model returns
     all_rows_places: dict[int, int] = field(default_factory=dict)
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> decode mask
+
+    def decode_window_mask(self, window: int | None) -> torch.Tensor | None:
+        """The padded decode batch's mask for a layer with this window (None: `decode_mask`),
+        made once per step and window: each row sees its last `window` positions."""
+        if window is None or window >= self.decode_max_len:
+            return self.decode_mask
+        mask = self.window_masks.get(window)
+        if mask is None:
+            n, _, _, max_ctx = self.decode_mask.shape
+            lens = self.decode_lens.cpu().numpy()[:, None]
+            keys = np.arange(max_ctx)[None, :]
+            allowed = (keys < lens) & (keys >= lens - window)
+            mask = additive_mask(allowed, self.decode_mask.dtype, self.decode_mask.device)
+            self.window_masks[window] = mask.view(n, 1, 1, max_ctx)
+        return self.window_masks[window]
 
 
 def additive_mask(allowed: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -185,10 +229,14 @@ class TorchPagedAttention:
         decode_kernel: PagedDecodeKernel | None = None,
         prefill_kernel: PagedPrefillKernel | None = None,
         invariant: bool = False,
+        layer_windows: Sequence[int | None] = (),
+        softcap: float | None = None,
     ) -> None:
         self.kv_caches = kv_caches
         self.scale = scale
         self.block_size = block_size
+        self.layer_windows = tuple(layer_windows)  # per layer (empty: no layer has a window)
+        self.softcap = softcap
         self.decode_kernel = decode_kernel
         self.prefill_kernel = prefill_kernel
         # Batch invariant: decode tokens go through the prefill kernel too, whose arithmetic
@@ -196,6 +244,32 @@ class TorchPagedAttention:
         # token's attention is the same as a prompt's token, a generated one or recomputed.
         self.decodes_as_chunks = invariant and prefill_kernel is not None
         self.meta: AttentionMetadata | None = None
+
+    @classmethod
+    def for_model(
+        cls,
+        spec: ModelSpec,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        block_size: int,
+        decode_kernel: PagedDecodeKernel | None = None,
+        prefill_kernel: PagedPrefillKernel | None = None,
+        invariant: bool = False,
+    ) -> TorchPagedAttention:
+        """Attention with the model's per-layer options: windows, scale, soft-capping."""
+        scale = spec.attn_scale if spec.attn_scale is not None else spec.head_dim**-0.5
+        return cls(
+            kv_caches,
+            scale,
+            block_size,
+            decode_kernel,
+            prefill_kernel,
+            invariant,
+            [spec.window(i) for i in range(spec.num_layers)] if spec.layer_windows else (),
+            spec.attn_logit_softcap,
+        )
+
+    def window(self, layer_idx: int) -> int | None:
+        return self.layer_windows[layer_idx] if self.layer_windows else None
 
     def plan(
         self,
@@ -232,21 +306,22 @@ class TorchPagedAttention:
         meta = self.meta
         kept_only = kept_only and meta.kept_rows is not None
         k_cache, v_cache = self.kv_caches[layer_idx]
+        window = self.window(layer_idx)
         if meta.all_decode and self.decode_kernel is not None:  # stores k/v and attends
-            return self._decode_kernel(q, k, v, k_cache, v_cache, meta.slot_mapping)
+            return self._decode_kernel(q, k, v, k_cache, v_cache, window, meta.slot_mapping)
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
         gqa = q.shape[1] != k.shape[1]
         if meta.all_decode:
-            return self._decode(q, k_cache, v_cache, meta, gqa)
+            return self._decode(q, k_cache, v_cache, meta, gqa, window)
         out = q.new_empty((len(meta.kept_rows), *q.shape[1:])) if kept_only else torch.empty_like(q)
         if meta.decode_rows is not None:
             into = meta.decode_kept if kept_only else meta.decode_rows
-            out[into] = self._decode(q[meta.decode_rows], k_cache, v_cache, meta, gqa)
+            out[into] = self._decode(q[meta.decode_rows], k_cache, v_cache, meta, gqa, window)
         for chunk in meta.prefills:
             rows = slice(chunk.start, chunk.start + chunk.num_tokens)
             if not kept_only:
-                self._prefill(q, k, v, k_cache, v_cache, chunk, rows, rows, out, gqa)
+                self._prefill(q, k, v, k_cache, v_cache, chunk, rows, rows, out, gqa, window)
                 continue
             if chunk.kept < 0:  # samples nothing and scores nothing
                 continue
@@ -255,21 +330,22 @@ class TorchPagedAttention:
                 # attended apart from the last, which then takes the very path it takes alone
                 others = slice(rows.start, rows.stop - 1)
                 into = slice(chunk.kept + 1 - chunk.num_tokens, chunk.kept)
-                self._prefill(q, k, v, k_cache, v_cache, chunk, others, into, out, gqa, ends=1)
-            # its last token alone, which sees the whole context
-            self._prefill(q, k, v, k_cache, v_cache, chunk, last, last_into, out, gqa, last=True)
+                self._prefill(
+                    q, k, v, k_cache, v_cache, chunk, others, into, out, gqa, window, ends=1
+                )
+            # its last token alone, which sees the whole context (or its window)
+            self._prefill(
+                q, k, v, k_cache, v_cache, chunk, last, last_into, out, gqa, window, last=True
+            )
         return out
 
     def _prefill(
-        self, q, k, v, k_cache, v_cache, chunk: PrefillChunk, queries, into, out, gqa,
+        self, q, k, v, k_cache, v_cache, chunk: PrefillChunk, queries, into, out, gqa, window,
         last=False, ends=0,
     ) -> None:  # fmt: skip
         """Attention of a prompt chunk's `queries` (its rows, or its `last` row alone, or all
-        but the last `ends`) into `out[into]`."""
+        but the last `ends`) into `out[into]`, for a layer with this window."""
         rows = slice(chunk.start, chunk.start + chunk.num_tokens)
-        causal = chunk.causal
-        if causal is not None and (last or ends):
-            causal = causal[-1:] if last else causal[:-ends]
         if self.prefill_kernel is not None:  # reads its K/V from the cache, stored before
             self.prefill_kernel(
                 q[queries],
@@ -280,8 +356,13 @@ class TorchPagedAttention:
                 chunk.context_len - ends,  # its queries are the context's last ones
                 self.scale,
                 out[into],
+                window,
+                self.softcap,
             )
             return
+        causal = chunk.mask(window, q.dtype)
+        if causal is not None and (last or ends):
+            causal = causal[-1:] if last else causal[:-ends]
         qp = q[queries].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
         if chunk.context_len == chunk.num_tokens:  # nothing cached before: its own K/V is all
             kp, vp = k[rows], v[rows]
@@ -290,18 +371,38 @@ class TorchPagedAttention:
             vp = self._read_blocks(v_cache, chunk.context_blocks)[: chunk.context_len]
         kp = kp.transpose(0, 1).unsqueeze(0)
         vp = vp.transpose(0, 1).unsqueeze(0)
-        op = F.scaled_dot_product_attention(
+        op = self._sdpa(
             qp,
             kp,
             vp,
-            attn_mask=causal,
+            causal,
             # one last query sees every key; the first n queries of a chunk see keys 0 .. own
             # (SDPA's causal mask is aligned to the top left)
-            is_causal=causal is None and not last,
-            scale=self.scale,
-            enable_gqa=gqa,
+            causal is None and not last,
+            gqa,
         )
         out[into] = op.squeeze(0).transpose(0, 1)
+
+    def _sdpa(self, q, k, v, mask, is_causal: bool, gqa: bool) -> torch.Tensor:
+        """SDPA with this model's scale, or with soft-capping (which SDPA lacks) the same in
+        float32 from its parts: scores, c tanh(s / c), mask, softmax, values."""
+        if self.softcap is None:
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale, enable_gqa=gqa
+            )
+        if gqa:
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * self.scale
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        if mask is not None:
+            scores = scores + mask
+        elif is_causal:
+            n, ctx = scores.shape[-2:]
+            scores = scores.masked_fill(
+                torch.ones(n, ctx, dtype=torch.bool, device=q.device).triu(1), float("-inf")
+            )
+        return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
 
     def _read_blocks(self, cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         """The tokens of `blocks`, in order, as [len(blocks) * block_size, Hkv, D]: one
@@ -310,7 +411,7 @@ class TorchPagedAttention:
         whole = cache.view(-1, self.block_size, hkv, d).index_select(0, blocks)
         return whole.view(-1, hkv, d)
 
-    def _decode_kernel(self, q, k, v, k_cache, v_cache, slots=None) -> torch.Tensor:
+    def _decode_kernel(self, q, k, v, k_cache, v_cache, window, slots=None) -> torch.Tensor:
         """Decode tokens through the C kernel; with `slots` it stores this step's k/v too."""
         meta = self.meta
         return self.decode_kernel(
@@ -325,18 +426,20 @@ class TorchPagedAttention:
             meta.decode_lens,
             meta.decode_max_len,
             self.scale,
+            window,
+            self.softcap,
         )
 
-    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, gqa: bool) -> torch.Tensor:
+    def _decode(
+        self, q, k_cache, v_cache, meta: AttentionMetadata, gqa: bool, window: int | None
+    ) -> torch.Tensor:
         """One query token per request, all requests in one padded SDPA call (or the kernel)."""
         if self.decode_kernel is not None:  # k/v are in the cache already
-            return self._decode_kernel(q, None, None, k_cache, v_cache)
+            return self._decode_kernel(q, None, None, k_cache, v_cache, window)
         bd, hkv, d = q.shape[0], k_cache.shape[1], k_cache.shape[2]
         blocks = meta.decode_blocks.view(-1)
         kd = self._read_blocks(k_cache, blocks).view(bd, -1, hkv, d).transpose(1, 2)
         vd = self._read_blocks(v_cache, blocks).view(bd, -1, hkv, d).transpose(1, 2)
         # kd, vd: [Bd, Hkv, max_blocks * block_size, D]
-        od = F.scaled_dot_product_attention(
-            q.unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=gqa
-        )
-        return od.squeeze(2)
+        mask = meta.decode_window_mask(window)
+        return self._sdpa(q.unsqueeze(2), kd, vd, mask, False, gqa).squeeze(2)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from servelm.config import EngineArgs
 from servelm.engine.core import EngineCore
+from servelm.engine.kv_cache import kv_window
 from servelm.engine.scheduler import SchedulerConfig
 from servelm.model.config import ModelSpec, load_spec
 from servelm.store.fetch import resolve_model_dir
@@ -90,6 +91,13 @@ def create_engine_core(
         max_model_len,
         tokens / max_model_len,
     )
+    window = kv_window(spec.layer_windows)
+    if window is not None:
+        logger.info(
+            "KV cache: every layer's window ends %d tokens back: blocks behind it are "
+            "given back to the pool",
+            window,
+        )
     runner.warm_up(args.max_num_batched_tokens)
     logger.info("warm-up done in %.2f s", time.perf_counter() - t0)
     config = SchedulerConfig(
@@ -101,6 +109,7 @@ def create_engine_core(
         max_model_len=max_model_len,
         enable_prefix_caching=args.enable_prefix_caching,
         policy=args.scheduling_policy,
+        sliding_window=window,
     )
     info = EngineInfo(
         model_dir,

@@ -147,8 +147,8 @@ class ModelRunner:
         if self.use_c_kernels:
             decode = PagedDecodeKernel.load(self.dtype, self.spec.head_dim)
             prefill = PagedPrefillKernel.load(self.dtype, self.spec.head_dim, self.block_size)
-        self.attn = TorchPagedAttention(
-            caches, self.spec.head_dim**-0.5, self.block_size, decode, prefill, self.batch_invariant
+        self.attn = TorchPagedAttention.for_model(
+            self.spec, caches, self.block_size, decode, prefill, self.batch_invariant
         )
         self.decode_stack = DecodeStack.build(self.model, self.attn)
         self.num_blocks = num_blocks
@@ -224,7 +224,7 @@ class ModelRunner:
             * 2
             for _ in range(self.spec.num_layers)
         ]
-        attn = TorchPagedAttention(scratch, self.spec.head_dim**-0.5, self.block_size)
+        attn = TorchPagedAttention.for_model(self.spec, scratch, self.block_size)
         blocks = list(range(-(-num_tokens // self.block_size)))
         attn.plan([(0, num_tokens, blocks)], self.device, self.dtype)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)

@@ -90,6 +90,11 @@ class KVCacheManager:
         held = self.req_blocks.get(request_id, ())
         return len(held) - self._num_dropped.get(request_id, 0)
 
+    def held_block_ids(self, request_id: str) -> list[int]:
+        """The ids of the blocks the request holds now: its table without the placeholders of
+        blocks given back (for a view of the pool, such as engine/dashboard.py's)."""
+        return self.shared_block_ids(request_id)[self._num_dropped.get(request_id, 0) :]
+
     def blocks_needed(self, num_tokens: int, chunk: int) -> int:
         """The most blocks one sequence of `num_tokens` holds at once, computed in steps of up
         to `chunk` tokens: all of them, or with a window those reaching back `window` tokens

@@ -50,6 +50,7 @@ def test_blocks_behind_the_window_go_back_and_a_full_model_keeps_all():
         assert len(ids) == 50  # token i still lives in entry i // block_size
         # the next query (position 200) reads keys 193 ..: entries from 48 on are held
         assert ids[:48] == [DROPPED_BLOCK_ID] * 48 and kv.num_held_blocks("a") == 2
+        assert kv.held_block_ids("a") == ids[48:]
         assert kv.pool.num_free_blocks == 62
         kv.free(r)
         assert kv.pool.num_free_blocks == 64
