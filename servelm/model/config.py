@@ -261,7 +261,7 @@ def _mistral_qwen2_windows(arch: str, cfg: dict[str, Any], n: int) -> tuple[int 
     window = cfg.get("sliding_window")
     if not window:
         return ()
-    if arch == "MistralForCausalLM":
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):  # Mixtral's attention is Mistral's
         return (int(window),) * n
     if arch != "Qwen2ForCausalLM" or not cfg.get("use_sliding_window"):
         return ()

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from servelm import LLM, SamplingParams
-from servelm.model.config import ModelConfigError, spec_from_dict
+from servelm.model.config import ModelConfigError, load_spec, spec_from_dict
 from servelm.model.llama import LlamaMLP
 from servelm.model.moe import MoeMLP
 from tests.model.family_harness import check_against_transformers, make_tiny_model
@@ -23,7 +23,7 @@ EXPERTS, TOP_K = 4, 2
 
 @pytest.fixture(scope="module")
 def mixtral_dir(tmp_path_factory):
-    # sliding_window None: Mixtral's window is the window work's (issue #34), not this test's
+    # No window here (the windowed Mixtral is its own test below)
     return make_tiny_model(
         tmp_path_factory.mktemp("moe"),
         "MixtralConfig",
@@ -59,6 +59,22 @@ def qwen3_moe_dir(tmp_path_factory):
 def test_qwen3_moe_matches_transformers(qwen3_moe_dir):
     seen = check_against_transformers(qwen3_moe_dir)
     assert seen["preemptions_torch"] > 0
+
+
+@pytest.mark.slow  # about 40 s on 2 shared cores
+def test_mixtral_with_a_window_shorter_than_its_prompts(tmp_path):
+    # Mixtral's attention is Mistral's: sliding_window on every layer; prompts of 45-88 tokens.
+    model_dir = make_tiny_model(
+        tmp_path,
+        "MixtralConfig",
+        num_local_experts=EXPERTS,
+        num_experts_per_tok=TOP_K,
+        sliding_window=16,
+    )
+    assert load_spec(model_dir).layer_windows == (16, 16)
+    # Blocks behind the window go back to the pool: 8 blocks still force preemption.
+    seen = check_against_transformers(model_dir, kernels=("auto",), tight_blocks=8)
+    assert seen["preemptions_auto"] > 0
 
 
 def moe_layers(llm) -> list[MoeMLP]:
