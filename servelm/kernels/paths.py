@@ -88,6 +88,10 @@ class StepPaths:
     head_q8_max_rows: int  # an exact Q8_0 head serves up to this many rows; float32 beyond
     bf16_via_f32_min_rows: int  # a bf16 matmul goes through float32 from here (NEVER: no)
     sgemm_min_rows: int  # q4 goes to torch's float32 matmul from here (NEVER: no)
+    # a GGUF file's own quantized projections (K-quants, Q8_0) serve inputs of up to this many
+    # rows: every input, batch invariant or not, since no bf16 copy is kept to hand wider ones
+    # to (a prompt then runs at the kernel's FMA speed, not oneDNN's; docs/performance.md)
+    gguf_max_rows: int = ALL_ROWS
 
     @classmethod
     def of(cls, kernel: QuantMatmul | None) -> StepPaths:
@@ -112,6 +116,7 @@ class StepPaths:
             head_q8_max_rows=ALL_ROWS if invariant or not bf16 else HEAD_Q8_MAX_ROWS,
             bf16_via_f32_min_rows=bf16_via_f32_min_rows(),
             sgemm_min_rows=kernel.sgemm_min_rows if c else NEVER,
+            gguf_max_rows=ALL_ROWS if c else NEVER,
         )
 
     @property

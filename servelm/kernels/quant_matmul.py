@@ -9,6 +9,8 @@
     y = kernel.q8(x, packed, N)                 # x [B, K] bfloat16 -> y [B, N] float32 (logits)
     packed, error = kernel.quantize_q4(w)       # the same from a float32 weight on the grid
                                                 # (error in grid steps; quantize_q8 likewise)
+    y = kernel.gguf(x, blocks, qtype, N)        # GGUF Q8_0 / Q4_K / Q5_K / Q6_K blocks as the
+                                                # file holds them, blocks [N, row bytes] uint8
 
 Groups of 32 along each row share a float16 scale (and, for q4, a low): GGUF's Q4_1 and Q8_0,
 whose values these hold exactly. `pack_*` lay the weight out as the C code reads it: rows in
@@ -73,6 +75,12 @@ class QuantMatmul:
         self.invariant = bool(self._invariant(-1))
         self._set_bits(self._activation_bits(-1))
         self._scratch = torch.empty(0)
+        self._gguf = lib.gguf_matmul_bf16
+        self._gguf.argtypes = [_i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64]
+        self._gguf.restype = None
+        self._gguf_dequantize = lib.gguf_dequantize_f32
+        self._gguf_dequantize.argtypes = [_i64, _ptr, _ptr, _i64, _i64]
+        self._gguf_dequantize.restype = None
 
     def use_activations(self, kind: str) -> None:
         """How q4 takes x, where this build has integer paths (see the C file): "int16" (the
@@ -205,3 +213,54 @@ class QuantMatmul:
         y = torch.empty(B, rows, dtype=dtype)
         self.fns[kind](x.data_ptr(), packed.data_ptr(), y.data_ptr(), B, rows, K)
         return y
+
+    # -- GGUF blocks as the file holds them (the K-quants of a Q4_K_M file, and Q8_0) ----------
+
+    def gguf(
+        self,
+        x: torch.Tensor,
+        blocks: torch.Tensor,
+        qtype: int,
+        rows: int,
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> torch.Tensor:
+        """x [B, K] bfloat16 -> [B, rows] bfloat16 (or float32: `dtype`, for logits), for
+        `blocks` [rows, K / QK * block bytes] uint8: each row of W as the GGUF file's blocks of
+        `qtype` (a `GGUF_KERNEL_TYPES` value). Every row count takes the same path: batch
+        invariant."""
+        x = x.contiguous()
+        K = gguf_row_elements(qtype, blocks.shape[1])
+        if x.dtype != torch.bfloat16 or not x.is_cpu or x.shape[1] != K or blocks.shape[0] != rows:
+            raise ValueError(
+                f"gguf_matmul: x {tuple(x.shape)} {x.dtype} does not fit {rows} rows of "
+                f"{GGUF_KERNEL_TYPES[qtype]} blocks, shape {tuple(blocks.shape)}"
+            )
+        y = torch.empty(x.shape[0], rows, dtype=dtype)
+        f32 = int(dtype == torch.float32)
+        self._gguf(qtype, x.data_ptr(), blocks.data_ptr(), y.data_ptr(), x.shape[0], rows, K, f32)
+        return y
+
+    def gguf_dequantize(self, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+        """The float32 weight [rows, K] that `blocks` hold, as gguf's dequantization gives it."""
+        rows, K = blocks.shape[0], gguf_row_elements(qtype, blocks.shape[1])
+        out = torch.empty(rows, K)
+        self._gguf_dequantize(qtype, blocks.data_ptr(), out.data_ptr(), rows, K)
+        return out
+
+
+# GGUF type number (gguf.GGMLQuantizationType) -> name, weights per block and bytes per block,
+# for the types `gguf_matmul_bf16` reads.
+GGUF_KERNEL_TYPES = {8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+GGUF_BLOCKS = {8: (32, 34), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
+
+
+def gguf_row_elements(qtype: int, row_bytes: int) -> int:
+    """Weights in a row of `row_bytes` bytes of `qtype` blocks."""
+    if qtype not in GGUF_BLOCKS:
+        raise ValueError(f"GGUF type {qtype} is not one the C kernel reads")
+    per_block, nbytes = GGUF_BLOCKS[qtype]
+    if row_bytes % nbytes:
+        raise ValueError(
+            f"a row of {row_bytes} bytes is not whole {GGUF_KERNEL_TYPES[qtype]} blocks"
+        )
+    return row_bytes // nbytes * per_block

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,11 +19,13 @@ from safetensors import safe_open
 from torch import nn
 
 from servelm.kernels.paths import ALL_ROWS, StepPaths
-from servelm.kernels.quant_matmul import GROUP, LANES, QuantMatmul
+from servelm.kernels.quant_matmul import GGUF_KERNEL_TYPES, GROUP, LANES, QuantMatmul
 from servelm.model import packed_cache
 from servelm.model.layers.embedding import Embedding
 from servelm.model.layers.linear import (
     INT4_LOSSLESS_STEPS,
+    GGUFHead,
+    GGUFWeight,
     Int4Weight,
     Linear,
     Q8Weight,
@@ -29,6 +33,12 @@ from servelm.model.layers.linear import (
     int4_linears,
     quantize_linears_int4,
 )
+
+logger = logging.getLogger(__name__)
+
+# The file of a GGUF import that holds its quantized projections' own blocks (store/gguf_import
+# writes it, under the same name there: BLOCKS_FILE).
+GGUF_BLOCKS_FILE = "model.gguf-blocks"
 
 
 class WeightLoadError(RuntimeError):
@@ -223,6 +233,117 @@ def _fits(kept: packed_cache.Packed, linears: dict[str, Linear], head: torch.Ten
     return all(p.shape[:2] == (rows // LANES, cols // GROUP) for p, rows, cols in shapes)
 
 
+def gguf_blocks(model_dir: str | Path) -> dict[str, tuple[int, torch.Tensor]]:
+    """The GGUF blocks an import kept (`GGUF_BLOCKS_FILE`): checkpoint name -> (GGUF type
+    number, uint8 [rows, row bytes]); empty for a folder without them."""
+    path = Path(model_dir) / GGUF_BLOCKS_FILE
+    if not path.is_file():
+        return {}
+    number = {name: qtype for qtype, name in GGUF_KERNEL_TYPES.items()}
+    with safe_open(str(path), framework="pt") as f:
+        types = json.loads(f.metadata()["types"])
+        return {n: (number[types[n]], f.get_tensor(n).clone()) for n in f.keys()}
+
+
+def _checkpoint_parts(model: nn.Module, name: str, module: Linear) -> list[tuple[int, int, str]]:
+    """(first row, rows, checkpoint tensor) for each tensor a projection's rows come from."""
+    ckpt = model.checkpoint_name(f"{name}.weight")
+    shards = getattr(module, "shards", None)
+    parts = [
+        (*shards.offsets[shard], ckpt.replace(f".{frag}.", f".{src}."))
+        for src, (frag, shard) in getattr(model, "packed_modules", {}).items()
+        if f".{frag}." in ckpt and shards is not None
+    ]
+    return sorted(parts) if parts else [(0, module.out_features, ckpt)]
+
+
+def _exact_part(
+    weight: torch.Tensor, name: str, blocks: dict, kernel: QuantMatmul
+) -> tuple[str, object] | None:
+    """The form of a float32 part of a projection's weight that holds exactly its values: the
+    file's blocks (checked against the weight: the same file's dequantization), Q8_0's q8
+    layout, Q4_1's q4 layout; None if none does."""
+    rows, cols = weight.shape
+    if name in blocks:
+        qtype, raw = blocks[name]
+        if GGUF_KERNEL_TYPES[qtype] == "Q8_0" and kernel.takes(rows, cols):
+            made = kernel.quantize_q8(weight)  # the head's kernel: faster than the blocks'
+            if made is not None and made[1] <= INT4_LOSSLESS_STEPS:
+                return "q8", made[0]
+        if raw.shape[0] == rows and torch.equal(kernel.gguf_dequantize(raw, qtype), weight):
+            return "gguf", (qtype, raw)
+        return None
+    if kernel.takes(rows, cols):  # a Q4_1 part (not kept as blocks: q4 recovers it)
+        made = kernel.quantize_q4(weight)
+        if made is not None and made[1] <= INT4_LOSSLESS_STEPS:
+            return "q4", made[0]
+    return None
+
+
+def _gguf_weights(
+    model: nn.Module, blocks: dict, kernel: QuantMatmul
+) -> tuple[int, dict[str, list[str]]]:
+    """Give each projection whose every part is exactly a quantized form (`_exact_part`) a
+    `GGUFWeight`; the others keep their (bf16) weights. Returns how many got one, and the
+    checkpoint tensors by the form they are served in ("bf16" for the dequantized)."""
+    served: dict[str, list[str]] = {}
+    made = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear) or name == "lm_head":  # (the head: LogitsHead's)
+            continue
+        parts, forms = [], []
+        for start, rows, ckpt in _checkpoint_parts(model, name, module):
+            form = _exact_part(module.weight.data[start : start + rows], ckpt, blocks, kernel)
+            forms.append(ckpt)
+            parts.append(None if form is None else (start, rows, *form))
+        if None in parts:
+            served.setdefault("bf16", []).extend(forms)
+            continue
+        weight = GGUFWeight(parts, kernel)
+        for ckpt, kind in zip(forms, weight.kinds(), strict=True):
+            served.setdefault(kind, []).append(ckpt)
+        module.use_quant(weight)
+        made += 1
+    return made, served
+
+
+def _gguf_head(
+    model_dir: str | Path, model: nn.Module, blocks: dict, kernel: QuantMatmul
+) -> GGUFHead | None:
+    """The logits head as the file's own blocks (the embedding's where the head shares it),
+    where they hold exactly the checkpoint's head (read again from the file, in float32)."""
+    name = "model.embed_tokens.weight" if model.lm_head is None else "lm_head.weight"
+    if name not in blocks:
+        return None
+    qtype, raw = blocks[name]
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            if name not in f.keys():
+                continue
+            want = f.get_tensor(name)
+            if raw.shape[0] == want.shape[0] and torch.equal(
+                kernel.gguf_dequantize(raw, qtype), want
+            ):
+                logger.info(
+                    "GGUF weights kept as %s: the logits head (%s)", GGUF_KERNEL_TYPES[qtype], name
+                )
+                return GGUFHead(raw, qtype, kernel)
+    return None
+
+
+def _names_by_layer(names: list[str]) -> str:
+    """model.layers.{0,1}.mlp.down_proj.weight, ...: the names with their layer numbers merged."""
+    merged: dict[str, list[str]] = {}
+    for name in names:
+        match = re.fullmatch(r"(.*\.layers\.)(\d+)(\..*)", name)
+        key = f"{match.group(1)}{{}}{match.group(3)}" if match else name
+        merged.setdefault(key, []).append(match.group(2) if match else "")
+    return ", ".join(
+        key.format("{" + ",".join(layers) + "}") if "{}" in key else key
+        for key, layers in merged.items()
+    )
+
+
 def _return_freed_memory() -> None:
     """Hand the memory freed while loading (float32 copies, unpacked weights) back to the OS.
     glibc keeps freed heap memory for reuse, and it would count as the engine's RSS for the
@@ -260,8 +381,25 @@ def build_model(
             f"--quantization int4 needs the CPU and bfloat16 (got {device}, "
             f"{str(dtype).replace('torch.', '')})"
         )
-    int4 = quantization == "int4" or (
-        quantization == "auto" and device.type == "cpu" and _checkpoint_is_4bit(model_dir, dtype)
+    # A GGUF import whose projections are K-quants or Q8_0 (it kept their blocks): each
+    # projection is served from the file's own values where they are exactly its weights.
+    blocks = gguf_blocks(model_dir) if quantization == "auto" and device.type == "cpu" else {}
+    if blocks and (quant_kernel is None or dtype != torch.bfloat16):
+        logger.info(
+            "GGUF quantized weights in %s dequantized to %s: servelm's C kernel serves them "
+            "as they are only in bfloat16 on a CPU where it is built",
+            model_dir,
+            str(dtype).replace("torch.", ""),
+        )
+        blocks = {}
+    projections = any(name.endswith("proj.weight") for name in blocks)
+    int4 = not projections and (
+        quantization == "int4"
+        or (
+            quantization == "auto"
+            and device.type == "cpu"
+            and _checkpoint_is_4bit(model_dir, dtype)
+        )
     )
 
     # The rotary table is computed (in float32, stored in the model dtype), not loaded.
@@ -282,12 +420,26 @@ def build_model(
     if kept is not None and StepPaths.of(quant_kernel).int4_max_rows == ALL_ROWS:
         skip = frozenset(f"{name}.weight" for name in linears)
     _allocate_parameters(
-        model, dtype, device, torch.float32 if int4 and kept is None else dtype, skip
+        model, dtype, device, torch.float32 if (int4 and kept is None) or projections else dtype, skip
     )
     model.rope = rope.to(device)
     load_weights(model, model_dir, skip)
     model.int4_layers = 0
     model.int4_kept = False  # whether the int4 copies were read from the store (packed_cache)
+    model.gguf_layers = 0  # projections served from a GGUF file's own quantized values
+    if projections:
+        model.gguf_layers, served = _gguf_weights(model, blocks, quant_kernel)
+        model.head_q8 = Q8Weight.exact(model.head_weight, quant_kernel)  # float32 still
+        for form in sorted(served):
+            verb = "dequantized to" if form == "bf16" else "kept as"
+            logger.info(
+                "GGUF weights %s %s (%d tensors): %s",
+                verb,
+                form,
+                len(served[form]),
+                _names_by_layer(served[form]),
+            )
+        model.to(dtype)
     if int4:
         if quant_kernel is not None:
             model.int4_layers = _packed_weights(
@@ -298,8 +450,11 @@ def build_model(
                 linears.values(), dtype, quantization == "auto"
             )
         model.to(dtype)
+    if blocks and model.head_q8 is None:  # a head the q8 kernel does not take exactly
+        model.head_q8 = _gguf_head(model_dir, model, blocks, quant_kernel)
     # Counted before repacking, which frees the plain copies of packed weights.
     quantized = [m.int4 for m in model.modules() if isinstance(m, Linear) and m.int4 is not None]
+    quantized += [m.quant for m in model.modules() if isinstance(m, Linear) and m.quant is not None]
     quantized += [model.head_q8] if model.head_q8 is not None else []
     model.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
         w.nbytes for w in quantized

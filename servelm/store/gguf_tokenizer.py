@@ -1,22 +1,45 @@
 """Rebuild a Hugging Face `tokenizer.json` + `tokenizer_config.json` from GGUF tokenizer metadata.
 
 Input is the GGUF key/value metadata already decoded into plain Python (see
-`gguf_import.read_metadata`). Only byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`)
-are supported; the pre-tokenizer is chosen from `tokenizer.ggml.pre`, and an unknown one is an
-error rather than a silent guess, because a wrong pre-tokenizer still "works" but splits text
-differently from the model's training and quietly degrades it.
+`gguf_import.read_metadata`). Byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`:
+SmolLM, Llama 3, Qwen 2/3) are built here, with the pre-tokenizers below; SentencePiece ones
+(`"llama"`: Gemma, Phi-3, Mistral) by transformers' own GGUF tokenizer converter (transformers
+is needed for those only).
+An unknown pre-tokenizer is an error rather than a silent guess, because a wrong pre-tokenizer
+still "works" but splits text differently from the model's training and quietly degrades it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    pre_tokenizers,
+    processors,
+)
 
 # llama.cpp's token_type values (gguf.TokenType): CONTROL tokens are the chat/special markers,
 # USER_DEFINED tokens are added to the vocabulary but are ordinary text.
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
+
+
+# The split regexes of the byte-level vocabularies the families use (llama.cpp's
+# `tokenizer.ggml.pre` names; the same as the models' own tokenizer.json): Llama 3 keeps up to
+# three digits together, Qwen 2 splits every digit.
+_SPLITS = {
+    "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+}
+_SPLITS["llama3"] = _SPLITS["llama-v3"] = _SPLITS["llama-bpe"]
+_SPLITS["deepseek-r1-qwen"] = _SPLITS["qwen2"]
 
 
 def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
@@ -27,9 +50,16 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     if pre in ("gpt-2", "gpt2", "default"):
         return byte_level
+    if pre in _SPLITS:
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     raise ValueError(
         f"unsupported GGUF pre-tokenizer {pre!r} (tokenizer.ggml.pre); "
-        "supported: 'smollm', 'gpt-2', 'default'"
+        f"supported: {', '.join(sorted(['smollm', 'gpt-2', 'default', *_SPLITS]))}"
     )
 
 
@@ -44,12 +74,45 @@ def _special_ids(meta: dict[str, Any]) -> set[int]:
     return ids
 
 
+def _transformers_converter():
+    """transformers' GGUF tokenizer converter (its module moved in transformers 5)."""
+    try:
+        from transformers.integrations.gguf import gguf_tokenizer_mapping as mapping
+    except ImportError:
+        try:
+            from transformers.integrations import ggml as mapping
+        except ImportError as exc:
+            raise ValueError(
+                "a SentencePiece GGUF tokenizer (tokenizer.ggml.model 'llama') is rebuilt by "
+                "transformers' GGUF converter: pip install 'transformers>=4.45'"
+            ) from exc
+    return mapping
+
+
+def _transformers_tokenizer(meta: dict[str, Any]) -> Tokenizer:
+    """The tokenizer transformers builds from the same metadata (`GGUF_TOKENIZER_MAPPING` names
+    the keys it reads)."""
+    mapping = _transformers_converter()
+    renames = mapping.GGUF_TOKENIZER_MAPPING["tokenizer"]
+    tokenizer_dict = {
+        name: meta[f"tokenizer.{key}"]
+        for key, name in renames.items()
+        if f"tokenizer.{key}" in meta
+    }
+    arch = meta.get("general.architecture", "llama")
+    tokenizer, _ = mapping.convert_gguf_tokenizer(arch, tokenizer_dict)
+    return tokenizer
+
+
 def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
-    """A `tokenizers.Tokenizer` equivalent to the GGUF's byte-level BPE tokenizer."""
+    """A `tokenizers.Tokenizer` equivalent to the GGUF's tokenizer."""
     kind = meta.get("tokenizer.ggml.model")
+    if kind == "llama":  # SentencePiece
+        return _transformers_tokenizer(meta)
     if kind != "gpt2":
         raise ValueError(
-            f"unsupported GGUF tokenizer model {kind!r}; only byte-level BPE ('gpt2') is supported"
+            f"unsupported GGUF tokenizer model {kind!r} (tokenizer.ggml.model); supported: "
+            "'gpt2' (byte-level BPE), 'llama' (SentencePiece)"
         )
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     vocab = {tok: i for i, tok in enumerate(tokens)}
@@ -106,7 +169,10 @@ def tokenizer_config(meta: dict[str, Any], context_length: int) -> dict[str, Any
         "eos_token": token("eos"),
         "pad_token": token("padding"),
         "unk_token": token("unknown"),
-        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        # llama.cpp adds BOS for a SentencePiece vocabulary that does not say otherwise
+        "add_bos_token": bool(
+            meta.get("tokenizer.ggml.add_bos_token", meta.get("tokenizer.ggml.model") == "llama")
+        ),
         "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
         "clean_up_tokenization_spaces": False,
         "model_max_length": int(context_length),

@@ -181,12 +181,81 @@ class Q8Weight:
         return self.kernel.q8(x, self.packed, self.rows)
 
 
+class GGUFWeight:
+    """A projection served from a GGUF file's own quantized values, by servelm's C kernel: its
+    rows in parts (the checkpoint tensors a fused projection stacks: q, k, v), each part one
+    of: the file's Q4_K / Q5_K / Q6_K / Q8_0 blocks as they are (`QuantMatmul.gguf`), the q8
+    layout of a Q8_0 part (the head's kernel, where it takes the shape), or the q4 layout of a
+    Q4_1 part. Each part is checked at load to hold exactly the checkpoint's weights
+    (model/loader.py); the layer then keeps no bf16 copy. Every row count takes the same code:
+    batch invariant."""
+
+    def __init__(self, parts: list[tuple[int, int, str, object]], kernel: QuantMatmul) -> None:
+        """`parts`: (first row, rows, kind, data) in row order, kind "gguf" with data (type,
+        blocks), "q8" or "q4" with data the packed tensor."""
+        self.parts, self.kernel = parts, kernel
+        self.rows = sum(p[1] for p in parts)
+        self.max_rows = StepPaths.of(kernel).gguf_max_rows
+        self.nbytes = sum(
+            (data[1] if kind == "gguf" else data).nbytes for _, _, kind, data in parts
+        )
+
+    def kinds(self) -> list[str]:
+        """Each part's form, for the start-up log: "Q4_K", "Q8_0", "Q4_1"."""
+        from servelm.kernels.quant_matmul import GGUF_KERNEL_TYPES
+
+        names = {"q8": "Q8_0", "q4": "Q4_1"}
+        return [
+            GGUF_KERNEL_TYPES[data[0]] if kind == "gguf" else names[kind]
+            for _, _, kind, data in self.parts
+        ]
+
+    def _part(self, x: torch.Tensor, rows: int, kind: str, data) -> torch.Tensor:
+        if kind == "gguf":
+            return self.kernel.gguf(x, data[1], data[0], rows)
+        if kind == "q8":
+            return self.kernel.q8(x, data, rows).to(torch.bfloat16)
+        return self.kernel.q4(x, data, rows)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        if len(self.parts) == 1:
+            _, rows, kind, data = self.parts[0]
+            return self._part(x, rows, kind, data)
+        out = x.new_empty(x.shape[0], self.rows)
+        for start, rows, kind, data in self.parts:
+            out[:, start : start + rows] = self._part(x, rows, kind, data)
+        return out
+
+
+class GGUFHead:
+    """The logits head as a GGUF file's own blocks (a Q4_K_M file's Q6_K `output.weight`, or
+    its embedding where the head shares it), for `LogitsHead` in place of a `Q8Weight`: the
+    same C kernel as `GGUFWeight`'s, with float32 logits."""
+
+    def __init__(self, blocks: torch.Tensor, qtype: int, kernel: QuantMatmul) -> None:
+        self.blocks, self.qtype, self.kernel = blocks, qtype, kernel
+        self.rows, self.nbytes = blocks.shape[0], blocks.nbytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel.gguf(x, self.blocks, self.qtype, self.rows, torch.float32)
+
+
 class Linear(nn.Linear):
     """`nn.Linear` plus optional faster forms of the weight: a packed copy, which replaces
-    the plain weight once made, and an int4 copy for inputs of up to `int4.max_rows` rows."""
+    the plain weight once made, an int4 copy for inputs of up to `int4.max_rows` rows, and a
+    GGUF file's own quantized values (`quant`, for up to `quant.max_rows`)."""
 
     packed: torch.Tensor | None = None
     int4: Int4Weight | None = None
+    quant: GGUFWeight | None = None
+
+    def use_quant(self, weight: GGUFWeight) -> None:
+        """Serve inputs of up to `weight.max_rows` rows from `weight`; if that is every input,
+        the plain weight is no longer read, and its memory is freed."""
+        self.quant = weight
+        if weight.max_rows == ALL_ROWS:
+            self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def reset_parameters(self) -> None:
         """Nothing to initialise: `load_weights` fills the weights."""
@@ -205,6 +274,9 @@ class Linear(nn.Linear):
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None and x.shape[0] <= self.quant.max_rows:
+            out = self.quant(x)
+            return out if self.bias is None else out.add_(self.bias)
         if self.int4 is not None and x.shape[0] <= self.int4.max_rows:
             out = self.int4(x)
             return out if self.bias is None else out.add_(self.bias)
@@ -227,7 +299,10 @@ class LogitsHead:
     products are exact in float32)."""
 
     def __init__(
-        self, weight: torch.Tensor, q8: Q8Weight | None = None, invariant: bool = False
+        self,
+        weight: torch.Tensor,
+        q8: Q8Weight | GGUFHead | None = None,
+        invariant: bool = False,
     ) -> None:
         self.q8, self.invariant = q8, invariant
         self.q8_max_rows = StepPaths.of(q8.kernel).head_q8_max_rows if q8 is not None else 0

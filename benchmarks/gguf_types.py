@@ -1,0 +1,168 @@
+"""Decode speed of one Llama-shaped model as a Q4_K_M-style GGUF, as Q4_1 and in bf16, served
+by servelm's real loader and engine on this CPU.
+
+    .venv/bin/python benchmarks/gguf_types.py                       # 12 layers, hidden 1024
+    .venv/bin/python benchmarks/gguf_types.py --layers 4 --tokens 32
+
+The same random weights are written three times with the `gguf` package: Q4_K with v and down
+in Q6_K (the Q4_K_M recipe; K-quants made with tests/gguf_kquants.py, since the `gguf` package
+cannot), every projection Q4_1 (the default model's form), and F32 (served as bf16). Each file
+is imported and served in bfloat16 with one request; a decode token's time is
+(time of 1 + N tokens - time of 1 token) / N, the fastest of --rounds. "bytes / token" is
+what a decode step reads of the weights: every projection in the form it is served in, plus
+the head (float32 here; the tiny vocabulary makes it negligible).
+Prints a table and, with --json, writes it with the CPU's model name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from tests.gguf_kquants import Q, quantize_k
+from tests.store.gguf_models import MERGES, SPECIALS, TOKENS
+
+FORMS = {
+    "Q4_K_M": lambda name: Q.Q6_K if name in ("attn_v", "ffn_down") else Q.Q4_K,
+    "Q4_1": lambda name: Q.Q4_1,
+    "bf16": lambda name: Q.F32,
+}
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def write_gguf(path: Path, weights: dict[str, np.ndarray], form: str, dims: dict) -> None:
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(dims["layers"])
+    writer.add_context_length(2048)
+    writer.add_embedding_length(dims["hidden"])
+    writer.add_feed_forward_length(dims["ffn"])
+    writer.add_head_count(dims["heads"])
+    writer.add_head_count_kv(dims["kv_heads"])
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(len(TOKENS))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(TOKENS)
+    writer.add_token_types([3] * len(SPECIALS) + [1] * (len(TOKENS) - len(SPECIALS)))
+    writer.add_token_merges(MERGES)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    for name, w in weights.items():
+        part = name.split(".")[-2] if name.startswith("blk.") else ""
+        qtype = FORMS[form](part) if w.ndim == 2 and part else Q.F32
+        if qtype == Q.F32:
+            writer.add_tensor(name, w)
+        else:
+            writer.add_tensor(name, quantize_k(w, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def random_weights(dims: dict, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    h, f, hd = dims["hidden"], dims["ffn"], dims["hidden"] // dims["heads"]
+
+    def rand(*shape):
+        return (rng.standard_normal(shape, dtype=np.float32) * 0.05).astype(np.float32)
+
+    out = {"token_embd.weight": rand(len(TOKENS), h), "output_norm.weight": np.ones(h, np.float32)}
+    for i in range(dims["layers"]):
+        p = f"blk.{i}."
+        out[p + "attn_q.weight"] = rand(h, h)
+        out[p + "attn_k.weight"] = rand(dims["kv_heads"] * hd, h)
+        out[p + "attn_v.weight"] = rand(dims["kv_heads"] * hd, h)
+        out[p + "attn_output.weight"] = rand(h, h)
+        out[p + "ffn_gate.weight"] = rand(f, h)
+        out[p + "ffn_up.weight"] = rand(f, h)
+        out[p + "ffn_down.weight"] = rand(h, f)
+        out[p + "attn_norm.weight"] = np.ones(h, np.float32)
+        out[p + "ffn_norm.weight"] = np.ones(h, np.float32)
+    return out
+
+
+def decode_ms(folder: Path, tokens: int, rounds: int) -> tuple[float, int, str]:
+    """ms per decode token, bytes of weights a decode step reads, and how it was served."""
+    from servelm import LLM, SamplingParams
+
+    llm = LLM(str(folder), dtype="bfloat16", kv_cache_memory="64MiB", device="cpu")
+    model = llm.engine.executor.model
+
+    def run(n: int) -> float:
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        t0 = time.perf_counter()
+        llm.generate([[3, 4, 5, 6, 7, 8]], params)
+        return time.perf_counter() - t0
+
+    run(4)  # warm-up
+    best = min((run(1 + tokens) - run(1)) / tokens for _ in range(rounds))
+    head = model.logits_head
+    read = model.weight_bytes - model.embed_tokens.weight.nbytes
+    if head.weight is not None and head.weight.data_ptr() != model.embed_tokens.weight.data_ptr():
+        read += head.weight.nbytes
+    served = (
+        f"{model.gguf_layers} GGUF-kept, {model.int4_layers} int4 projections"
+        f"{', C layer loop' if llm.engine.executor.decode_stack is not None else ''}"
+    )
+    return best * 1e3, read, served
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--ffn", type=int, default=2816)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--tokens", type=int, default=32, help="decode tokens timed per round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--forms", default=",".join(FORMS))
+    p.add_argument("--json", type=Path, help="write the results here")
+    args = p.parse_args(argv)
+    dims = dict(
+        layers=args.layers,
+        hidden=args.hidden,
+        ffn=args.ffn,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+    )
+    from servelm.store.gguf_import import import_gguf
+
+    weights = random_weights(dims)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for form in args.forms.split(","):
+            src = Path(tmp) / f"{form}.gguf"
+            write_gguf(src, weights, form, dims)
+            folder = import_gguf(src, Path(tmp) / form)
+            ms, read, served = decode_ms(folder, args.tokens, args.rounds)
+            rows.append(dict(form=form, ms_per_token=ms, bytes_per_token=read, served=served))
+            print(
+                f"{form:7s} {ms:8.2f} ms/token  {read / 2**20:8.1f} MiB/token  "
+                f"{read / 1e6 / ms:6.2f} GB/s  ({served})",
+                flush=True,
+            )
+    result = dict(cpu=cpu_name(), dims=dims, tokens=args.tokens, results=rows)
+    print(json.dumps(result, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
