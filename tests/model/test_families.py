@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from servelm.kernels.build import compiler
 from servelm.model.config import ModelConfigError, spec_from_dict
 from tests.model.family_harness import check_against_transformers, make_tiny_model
 
@@ -183,3 +184,41 @@ def test_config_refusals_name_the_field(fields, named):
             original_max_position_embeddings=256,
             **fields,
         )
+
+
+@pytest.mark.skipif(compiler() is None, reason="the C kernels need a C compiler")
+def test_phi3_runs_in_the_c_layer_loop(tmp_path, monkeypatch):
+    """Phi-3's layer is the Llama layer (only its rotary table differs), so with int4 weights
+    in bfloat16 the C decode loop runs it, past original_max_position_embeddings too (long
+    factors), with the same greedy tokens as the Python layers."""
+    from servelm import LLM, SamplingParams
+    from servelm.model.phi3 import Phi3ForCausalLM
+    from tests.model.family_harness import prompts_sharing_prefix
+
+    rope = PHI3_ROPE | {"original_max_position_embeddings": 64}
+    model_dir = make_tiny_model(
+        tmp_path,
+        "Phi3Config",
+        rope_scaling=rope,
+        original_max_position_embeddings=64,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+    )
+    prompts = prompts_sharing_prefix(380)  # 45-88 tokens: past 64
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    tokens = []
+    for c_loop in (True, False):
+        if not c_loop:
+            monkeypatch.setattr(Phi3ForCausalLM, "c_layer_loop", lambda self: False)
+        # No prefix caching: both runs compute the same steps, which round alike in bfloat16.
+        llm = LLM(
+            str(model_dir),
+            dtype="bfloat16",
+            quantization="int4",
+            kv_cache_memory="8MiB",
+            device="cpu",
+            enable_prefix_caching=False,
+        )
+        assert (llm.engine.executor.decode_stack is not None) == c_loop
+        tokens.append([r.outputs[0].token_ids for r in llm.generate(prompts, params)])
+    assert tokens[0] == tokens[1]
