@@ -1,7 +1,7 @@
 """What the live dashboard costs the engine (issue #36: under 1 % of step time under W2 load).
 
     .venv/bin/python -m benchmarks.dashboard_cost [--model DIR] [--rounds 4] [--requests 16]
-        [--skip-live] [--out dashboard_cost.json]
+        [--output-len 128] [--skip-live] [--out dashboard_cost.json]
 
 1. Offline, no model: building one snapshot (servelm/engine/dashboard.py) and encoding the step
    message that carries it, on a real Scheduler whose pool is half full (64 running requests
@@ -87,19 +87,22 @@ class FeedReader(threading.Thread):
         self.events = 0
 
     def run(self) -> None:
-        with httpx.stream("GET", self.url + "/dashboard/feed", timeout=30) as resp:
-            for line in resp.iter_lines():
-                if line.startswith("data: "):
-                    self.events += 1
-                    engine = json.loads(line[6:]).get("engine")
-                    if engine:
-                        engine.pop("steps", None)
-                        self.snapshots[engine["time"]] = engine
-                if self.stop.is_set():
-                    return
+        while not self.stop.is_set():  # as a page does: the server ends each stream after 15 s
+            with httpx.stream("GET", self.url + "/dashboard/feed", timeout=30) as resp:
+                for line in resp.iter_lines():
+                    if line.startswith("data: "):
+                        self.events += 1
+                        engine = json.loads(line[6:]).get("engine")
+                        if engine:
+                            engine.pop("steps", None)
+                            self.snapshots[engine["time"]] = engine
+                    if self.stop.is_set():
+                        return
 
 
-def live(model_dir: Path, rounds: int, requests: int, log_dir: Path) -> list[dict[str, Any]]:
+def live(
+    model_dir: Path, rounds: int, requests: int, output_len: int, log_dir: Path
+) -> list[dict[str, Any]]:
     from servelm.bench import BenchConfig, Load, WorkloadSpec, run_benchmark
 
     trace = log_dir / "steps.jsonl"
@@ -116,7 +119,7 @@ def live(model_dir: Path, rounds: int, requests: int, log_dir: Path) -> list[dic
             t0 = time.time()
             config = BenchConfig(
                 base_url=server.url, model=server.model_name, endpoint="completions",
-                workload=WorkloadSpec(input_len=256, output_len=128), tokenizer=str(model_dir),
+                workload=WorkloadSpec(input_len=256, output_len=output_len), tokenizer=str(model_dir),
                 loads=(Load(concurrency=16),), num_requests=requests, seed=k,
             )  # fmt: skip
             run = asyncio.run(run_benchmark(config)).runs[0]
@@ -157,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="model folder (default: the servelm default model)")
     p.add_argument("--rounds", type=int, default=4, help="alternating: without, with, ...")
     p.add_argument("--requests", type=int, default=16, help="requests per round")
+    p.add_argument("--output-len", type=int, default=128, help="W2's is 128")
     p.add_argument("--skip-live", action="store_true", help="offline measurements only")
     p.add_argument("--out", help="write every number here (JSON)")
     args = p.parse_args(argv)
@@ -172,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
 
             model_dir = Path(ensure_default_model())
         with tempfile.TemporaryDirectory(prefix="dashboard-cost-") as tmp:
-            result["live"] = live(model_dir, args.rounds, args.requests, Path(tmp))
+            result["live"] = live(model_dir, args.rounds, args.requests, args.output_len, Path(tmp))
         on = [r for r in result["live"] if r["dashboard"]]
         off = [r for r in result["live"] if not r["dashboard"]]
         if on and off:
