@@ -93,7 +93,7 @@ def build_snapshot(
     requests: list[DashboardRequest] = []
     id_lists = []
     for r in scheduler.running:
-        ids = kv.shared_block_ids(r.request_id)
+        ids = kv.held_block_ids(r.request_id)  # without the places of blocks behind a window
         id_lists.append(ids)
         requests.append(_describe(r, "running", now, len(ids)))
     num_running = len(requests)
