@@ -109,3 +109,16 @@ def test_the_feed_rides_on_a_step_message_and_is_rate_limited():
     inner = core.executor.inner
     feed.set_interval(core, 0.0)
     assert core.executor is inner and not feed.due()  # the recorder is taken off again
+
+
+def test_with_a_sliding_window_blocks_given_back_are_not_drawn_as_held():
+    s = make(num_blocks=32, sliding_window=8)
+    s.add_request(Request("w", list(range(1, 10)), SamplingParams(max_tokens=20, ignore_eos=True)))
+    for _ in range(12):  # 9 prompt tokens then decodes: blocks behind the window go back
+        step(s)
+    held = s.kv.held_block_ids("w")
+    assert len(held) < len(s.kv.block_ids("w"))  # the table keeps placeholders
+    snap = build_snapshot(s)
+    assert snap.blocks_in_use == len(held) == snap.requests[0].num_blocks
+    assert {i for i, u in enumerate(snap.cell_used) if u} == set(held)
+    assert snap.blocks_shared == 0
