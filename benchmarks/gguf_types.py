@@ -1,8 +1,8 @@
 """Decode speed of one Llama-shaped model as a Q4_K_M-style GGUF, as Q4_1 and in bf16, served
 by servelm's real loader and engine on this CPU.
 
-    .venv/bin/python benchmarks/gguf_types.py                       # 12 layers, hidden 1024
-    .venv/bin/python benchmarks/gguf_types.py --layers 4 --tokens 32
+    .venv/bin/python -m benchmarks.gguf_types                       # 12 layers, hidden 1024
+    .venv/bin/python -m benchmarks.gguf_types --layers 4 --tokens 32
 
 The same random weights are written three times with the `gguf` package: Q4_K with v and down
 in Q6_K (the Q4_K_M recipe; K-quants made with tests/gguf_kquants.py, since the `gguf` package
