@@ -218,3 +218,25 @@ def test_kept_blocks_are_the_files(llama, tmp_path):
             dequantize(q, Q.Q4_K).reshape(q.shape[0], -1),
             weights["model.layers.0.self_attn.q_proj.weight"],
         )
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma2", "gemma3", "phi3"])
+def test_family_q4_k_m_served(arch, tmp_path):
+    """Each family's Q4_K_M file served from its own blocks, greedy as transformers' float32 on
+    the imported weights (the families' layers are servelm/model's; the weights' path is this
+    file's subject)."""
+    from transformers import AutoModelForCausalLM
+
+    from servelm import LLM, SamplingParams
+
+    original = tiny_hf_model(arch)
+    src = write_family_gguf(tmp_path / f"{arch}.gguf", original, arch, q4_k_m)
+    folder = import_gguf(src, tmp_path / "model")
+    llm = LLM(str(folder), dtype="bfloat16", kv_cache_memory="4MiB", device="cpu")
+    model = llm.engine.executor.model
+    assert model.gguf_layers == 4 * original.config.num_hidden_layers
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP)
+    for prompt, result in zip(PROMPTS, llm.generate(PROMPTS, params), strict=True):
+        theirs, their_logprobs = hf_greedy(hf, prompt)
+        check_greedy(result.outputs[0], theirs, their_logprobs, arch)
