@@ -111,6 +111,7 @@ def test_fused_projection_of_mixed_types(kernel):
     ]
     weight = GGUFWeight(parts, kernel)
     assert weight.kinds() == ["Q4_K", "Q4_K", "Q6_K", "Q8_0"]
+    assert [kind for _, _, kind, _ in weight.parts] == ["gguf", "gguf", "q8"]  # q, k: one call
     assert weight.nbytes == q_raw.nbytes + k_raw.nbytes + v_raw.nbytes + packed.nbytes
     w = torch.cat([weights(q_raw, Q.Q4_K), weights(k_raw, Q.Q4_K), weights(v_raw, Q.Q6_K), e_w])
     x = torch.randn(3, K, generator=torch.Generator().manual_seed(4)).bfloat16()

@@ -181,6 +181,23 @@ class Q8Weight:
         return self.kernel.q8(x, self.packed, self.rows)
 
 
+def _merged(parts: list[tuple[int, int, str, object]]) -> list[tuple[int, int, str, object]]:
+    """Adjacent parts of one form stacked into one (gate and up, q and k): one kernel call
+    instead of two. Every layout stacks along its first dimension (rows, or blocks of 16)."""
+    out: list[tuple[int, int, str, object]] = []
+    for start, rows, kind, data in parts:
+        if out and out[-1][2] == kind and (kind != "gguf" or out[-1][3][0] == data[0]):
+            s0, r0, _, d0 = out[-1]
+            if kind == "gguf":
+                merged = (data[0], torch.cat([d0[1], data[1]]))
+            else:
+                merged = torch.cat([d0, data])
+            out[-1] = (s0, r0 + rows, kind, merged)
+        else:
+            out.append((start, rows, kind, data))
+    return out
+
+
 class GGUFWeight:
     """A projection served from a GGUF file's own quantized values, by servelm's C kernel: its
     rows in parts (the checkpoint tensors a fused projection stacks: q, k, v), each part one
@@ -193,22 +210,24 @@ class GGUFWeight:
     def __init__(self, parts: list[tuple[int, int, str, object]], kernel: QuantMatmul) -> None:
         """`parts`: (first row, rows, kind, data) in row order, kind "gguf" with data (type,
         blocks), "q8" or "q4" with data the packed tensor."""
-        self.parts, self.kernel = parts, kernel
-        self.rows = sum(p[1] for p in parts)
-        self.max_rows = StepPaths.of(kernel).gguf_max_rows
-        self.nbytes = sum(
-            (data[1] if kind == "gguf" else data).nbytes for _, _, kind, data in parts
-        )
-
-    def kinds(self) -> list[str]:
-        """Each part's form, for the start-up log: "Q4_K", "Q8_0", "Q4_1"."""
         from servelm.kernels.quant_matmul import GGUF_KERNEL_TYPES
 
         names = {"q8": "Q8_0", "q4": "Q4_1"}
-        return [
+        self._kinds = [
             GGUF_KERNEL_TYPES[data[0]] if kind == "gguf" else names[kind]
-            for _, _, kind, data in self.parts
+            for _, _, kind, data in parts
         ]
+        self.parts, self.kernel = _merged(parts), kernel
+        self.rows = sum(p[1] for p in parts)
+        self.max_rows = StepPaths.of(kernel).gguf_max_rows
+        self.nbytes = sum(
+            (data[1] if kind == "gguf" else data).nbytes for _, _, kind, data in self.parts
+        )
+
+    def kinds(self) -> list[str]:
+        """Each part's form as given (before merging), for the start-up log: "Q4_K", "Q8_0",
+        "Q4_1"."""
+        return self._kinds
 
     def _part(self, x: torch.Tensor, rows: int, kind: str, data) -> torch.Tensor:
         if kind == "gguf":
