@@ -420,7 +420,11 @@ def build_model(
     if kept is not None and StepPaths.of(quant_kernel).int4_max_rows == ALL_ROWS:
         skip = frozenset(f"{name}.weight" for name in linears)
     _allocate_parameters(
-        model, dtype, device, torch.float32 if (int4 and kept is None) or projections else dtype, skip
+        model,
+        dtype,
+        device,
+        torch.float32 if (int4 and kept is None) or projections else dtype,
+        skip,
     )
     model.rope = rope.to(device)
     load_weights(model, model_dir, skip)

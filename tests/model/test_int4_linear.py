@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from servelm import LLM
+from servelm import LLM, SamplingParams
 from servelm.kernels.paths import TORCH_INT4_MAX_ROWS as INT4_MAX_ROWS
 from servelm.model.layers.linear import (
     INT4_GROUP,
@@ -139,3 +139,17 @@ def test_the_start_up_line_the_benchmarks_read(tiny_model_dir, caplog, quantizat
     assert (found["dtype"], found["device"]) == ("bfloat16", "cpu")
     assert int(found["int4"] or 0) == llm.engine.executor.int4_layers
     assert float(found["gib"]) == pytest.approx(llm.engine.executor.weight_bytes / 2**30, abs=1e-3)
+
+
+def test_int4_on_a_model_with_its_own_head(tmp_path):
+    # An untied head is the logits head's to serve (exact Q8_0 or bf16), never an int4 Linear:
+    # an int4 copy there freed the weight the head reads, and loading failed.
+    from tests.tiny_model import build_tiny_model
+
+    folder = build_tiny_model(tmp_path / "untied", tie=False)
+    llm = LLM(str(folder), dtype="bfloat16", quantization="int4", kv_cache_memory="4MiB")
+    model = llm.engine.executor.model
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    assert llm.engine.executor.int4_layers == len(layers) == 2 * 4  # 2 layers x 4 projections
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4))[0]
+    assert len(out.outputs[0].token_ids) == 4

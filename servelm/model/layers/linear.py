@@ -362,11 +362,12 @@ def pack_linears_for_cpu(model: nn.Module) -> None:
 
 def int4_linears(model: nn.Module, dtype: torch.dtype, device: torch.device) -> dict[str, Linear]:
     """The `Linear`s of `model` whose weights the int4 kernels take, by module name; `device`:
-    where the weights live (or will: this reads a model still on the meta device too)."""
+    where the weights live (or will: this reads a model still on the meta device too). An
+    untied `lm_head` is not one: the logits head serves it (an exact Q8_0 copy or the weight)."""
     return {
         name: m
         for name, m in model.named_modules()
-        if isinstance(m, Linear) and can_int4(m.weight, dtype, device)
+        if isinstance(m, Linear) and name != "lm_head" and can_int4(m.weight, dtype, device)
     }
 
 
