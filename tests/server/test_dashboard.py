@@ -35,7 +35,7 @@ QUESTIONS = [
     "When are you open?", "Can I order a cake for Saturday?", "Do you deliver?",
     "Do you sell brioche?", "How much is the deposit?", "What do you bake?",
 ]  # fmt: skip
-MAX_TOKENS = 16
+MAX_TOKENS = 96  # each wave of 3 runs for seconds: a snapshot every 0.25 s sees it
 BLOCK_SIZE = 16  # the default
 
 

@@ -199,7 +199,9 @@ def test_streamed_echo_equals_whole(client, tokenizer):
     for i, choice in enumerate(whole.choices):
         assert texts[i] == choice.text
         assert lps[i]["tokens"] == choice.logprobs.tokens
-        assert lps[i]["token_logprobs"] == choice.logprobs.token_logprobs
+        # the same numbers, up to float32 rounding: the two runs' steps batch the prompts
+        # differently, and the tiny model's float32 torch matmuls round by batch shape
+        assert lps[i]["token_logprobs"] == pytest.approx(choice.logprobs.token_logprobs, abs=1e-5)
         # (the prompt's offsets; a generated token's streamed offset counts the text sent
         # before its chunk, the whole answer's the decoded tokens before it: these may differ)
         n = len(tokenizer.encode(kw["prompt"][i]))
