@@ -135,20 +135,14 @@ def test_mixtral_in_bfloat16_and_int4(mixtral_dir):
         assert res.outputs[0].token_ids == [int(theirs.argmax())]
         assert abs(step.logprob - theirs[step.token_id].item()) < 0.05
     del llm
-    # torch's int4 kernel: the C kernel's Q8_0 head copy fails on an untied head at present
-    llm = LLM(
-        str(mixtral_dir),
-        dtype="bfloat16",
-        quantization="int4",
-        kernels="torch",
-        kv_cache_memory="4MiB",
-    )
+    # with servelm's C int4 kernels (an untied head is the logits head's, not an int4 Linear)
+    llm = LLM(str(mixtral_dir), dtype="bfloat16", quantization="int4", kv_cache_memory="4MiB")
     model = llm.engine.executor.model
     experts = [e for layer in moe_layers(llm) for e in layer.experts]
     assert all(e.gate_up_proj.int4 is not None and e.down_proj.int4 is not None for e in experts)
     assert not isinstance(moe_layers(llm)[0].gate, Linear)
     linears = sum(1 for m in model.modules() if isinstance(m, Linear))
-    assert model.int4_layers == linears + 1  # and the logits head
+    assert model.int4_layers == linears  # every projection; the head stays the head's
     out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert all(len(r.outputs[0].token_ids) == 8 for r in out)
 

@@ -17,6 +17,7 @@ from servelm.router.replicas import ReplicaState
 from tests.router.conftest import MODEL, Proc, admin_replicas, free_port, router, wait_for
 
 STREAMS = 16
+RUNNING = "servelm:num_requests_running{"
 STREAM_TOKENS = 2000  # long enough that no stream can finish before the kill
 
 
@@ -95,11 +96,13 @@ async def kill_during_streams(r: Proc, victim: Proc) -> dict:
     streams = [asyncio.create_task(stream_one(client, routed, started, i)) for i in range(STREAMS)]
 
     def victims_streaming() -> bool:
-        """Every stream routed, and the victim's all producing text: kill now. Waiting for
-        the other replicas' first tokens too let the victim's streams run to their end first
-        when the replicas started unevenly."""
-        on_victim = {i for i, url in routed.items() if url == victim.url}
-        return len(routed) == STREAMS and on_victim <= started
+        """The victim generating all five of its streams (round-robin: 16 = 6 + 5 + 5), as
+        its own /metrics says: kill now. What this client has parsed lags the servers (one
+        event loop reads 16 streams' backlog): waiting for the victim's text to arrive here
+        let its 2,000-token streams finish first on a quiet machine (one CI run)."""
+        metrics = httpx.get(victim.url + "/metrics", timeout=5).text
+        running = [ln for ln in metrics.splitlines() if ln.startswith(RUNNING)]
+        return bool(running) and float(running[0].rsplit(" ", 1)[1]) >= 5
 
     while not victims_streaming():
         await asyncio.sleep(0.02)
