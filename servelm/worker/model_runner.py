@@ -23,7 +23,7 @@ from servelm.kernels.cpu_ops import CpuOps
 from servelm.kernels.paged_decode import PagedDecodeKernel
 from servelm.kernels.paged_prefill import PagedPrefillKernel
 from servelm.kernels.paths import ALL_ROWS, StepPaths
-from servelm.kernels.quant_matmul import QuantMatmul
+from servelm.kernels.quant_matmul import GGUF_KERNEL_TYPES, QuantMatmul
 from servelm.model.config import ModelSpec
 from servelm.model.loader import build_model
 from servelm.worker.attention import TorchPagedAttention
@@ -198,8 +198,13 @@ class ModelRunner:
         if self.int4_layers:  # (which rows, and how: the paths' summary above)
             int4 = "C q4_matmul" if self.quant_kernel else "torch _weight_int4pack_mm"
             summary += f"; int4 projections: {int4}"
-        if self.model.head_q8 is not None:
-            summary += "; logits head: C q8_matmul (Q8_0)"
+        head = self.model.head_q8
+        if head is not None:  # a Q8Weight, or a GGUFHead with the file's own blocks
+            qtype = getattr(head, "qtype", None)
+            kernel = (
+                "q8_matmul (Q8_0)" if qtype is None else f"gguf_matmul ({GGUF_KERNEL_TYPES[qtype]})"
+            )
+            summary += f"; logits head: C {kernel}"
         if self.decode_stack is not None:
             rows = self.decode_stack_max_tokens
             steps = "decode steps" if rows == ALL_ROWS else f"decode steps of <= {rows} tokens"

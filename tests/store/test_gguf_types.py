@@ -147,6 +147,7 @@ def test_type_imported_and_served(kind, llama, tmp_path, caplog):
         head = "Q6_K" if SERVED[kind] == "mix" else SERVED[kind]
         assert isinstance(model.head_q8, GGUFHead) and model.logits_head.weight is None
         assert f"GGUF weights kept as {head}: the logits head (lm_head.weight)" in caplog.text
+        assert f"logits head: C gguf_matmul ({head})" in llm.engine.executor.kernel_summary
     else:
         assert model.head_q8 is None
     if SERVED[kind] == "int4":
