@@ -264,7 +264,7 @@ class TorchPagedAttention:
             decode_kernel,
             prefill_kernel,
             invariant,
-            [spec.window(i) for i in range(spec.num_layers)] if spec.layer_windows else (),
+            spec.layer_windows,
             spec.attn_logit_softcap,
         )
 
