@@ -94,6 +94,7 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     seed: int = 0
     num_threads: int | None = None  # torch CPU threads; None = every core
+    tensor_parallel_size: int = 1  # ranks one model is split over (worker/tp.py)
     step_trace: str | None = None  # append one JSON line per engine step to this file
 
     def __post_init__(self) -> None:
@@ -183,6 +184,16 @@ class EngineArgs:
             type=int,
             default=None,
             help="CPU threads for torch (default: every core)",
+        )
+        g.add_argument(
+            "--tensor-parallel-size",
+            "-tp",
+            type=bounded_int(1, 64),
+            default=1,
+            help="split every layer over this many ranks (processes; one per GPU on CUDA, "
+            "sharing the cores on a CPU), each loading only its slices of the weights; "
+            "--kv-cache-memory is per rank. On a 2-core CPU one rank is faster "
+            "(docs/performance.md)",
         )
         g.add_argument(
             "--step-trace",

@@ -22,6 +22,7 @@ from servelm.kernels.paths import ALL_ROWS, StepPaths
 from servelm.kernels.quant_matmul import GGUF_KERNEL_TYPES, GROUP, LANES, QuantMatmul
 from servelm.model import packed_cache
 from servelm.model.layers.embedding import Embedding
+from servelm.model.parallel import TPGroup, TPSlicer, apply_tp, rank_spec
 from servelm.model.layers.linear import (
     INT4_LOSSLESS_STEPS,
     GGUFHead,
@@ -79,6 +80,15 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
+def checkpoint_names(model_dir: str | Path) -> list[str]:
+    """Every tensor name in the checkpoint (the files' headers only)."""
+    names: list[str] = []
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            names.extend(f.keys())
+    return names
+
+
 def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[Path, str, torch.Tensor]]:
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
@@ -86,11 +96,27 @@ def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[Path, str, torch.Te
                 yield path, name, f.get_tensor(name)
 
 
+def _wanted_tensors(
+    model_dir: str | Path, wanted, slicer: TPSlicer | None
+) -> Iterator[tuple[Path, str, torch.Tensor]]:
+    """The checkpoint's tensors named in `wanted`, each read only when reached (the files are
+    memory-mapped): all of it, or under tensor parallelism this rank's slice."""
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                if name in wanted and not name.endswith(_IGNORED_SUFFIXES):
+                    yield path, name, slicer.read(f, name) if slicer else f.get_tensor(name)
+
+
 def load_weights(
-    model: nn.Module, model_dir: str | Path, skip: frozenset[str] = frozenset()
+    model: nn.Module,
+    model_dir: str | Path,
+    skip: frozenset[str] = frozenset(),
+    slicer: TPSlicer | None = None,
 ) -> None:
     """Fill every parameter of `model` from the checkpoint in `model_dir`, in the model's dtype;
-    the parameters named in `skip` are neither read nor required."""
+    the parameters named in `skip` are neither read nor required. With `slicer` (tensor
+    parallelism) each tensor's part this rank holds is read, and nothing else."""
     packed: dict[str, tuple[str, str]] = getattr(model, "packed_modules", {})
     # Which (checkpoint name) each of our parameter slices expects.
     expected: dict[str, tuple[str, str | None]] = {}
@@ -108,9 +134,7 @@ def load_weights(
 
     params = dict(model.named_parameters())
     loaded: set[str] = set()
-    for path, name, tensor in iter_checkpoint(model_dir):
-        if name.endswith(_IGNORED_SUFFIXES) or name not in expected:
-            continue
+    for path, name, tensor in _wanted_tensors(model_dir, expected, slicer):
         pname, shard = expected[name]
         param = params[pname]
         # A fused module names which rows each checkpoint tensor fills (weight and bias alike).
@@ -162,14 +186,19 @@ def _allocate_parameters(
                 module._parameters[name] = nn.Parameter(empty, requires_grad=False)
 
 
-def _checkpoint_is_4bit(model_dir: str | Path, dtype: torch.dtype) -> bool:
+def _checkpoint_is_4bit(
+    model_dir: str | Path, dtype: torch.dtype, slicer: TPSlicer | None = None
+) -> bool:
     """Whether the checkpoint's first projection weight is 4-bit already (a dequantized Q4_1
-    GGUF is): one tensor read, before any memory is allocated for the model."""
+    GGUF is): one tensor read (this rank's part of it), before any memory is allocated for
+    the model."""
+    if dtype != torch.bfloat16:  # (no int4 for any other: nothing to read)
+        return False
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
             name = next((n for n in f.keys() if n.endswith("proj.weight")), None)
             if name is not None:
-                tensor = f.get_tensor(name)
+                tensor = slicer.read(f, name) if slicer else f.get_tensor(name)
                 return can_int4(tensor, dtype) and (
                     Int4Weight(tensor, dtype).error <= INT4_LOSSLESS_STEPS
                 )
@@ -199,11 +228,12 @@ def _packed_weights(
     dtype: torch.dtype,
     quantization: str,
     kernel: QuantMatmul,
+    keep: bool = True,
 ) -> int:
     """Give the projections their int4 copies and the head its exact Q8_0 copy (a Q4_1 GGUF's
     head is Q8_0, llama.cpp's convention) for servelm's C kernel: the `kept` ones, else made
-    from the loaded weights and kept for the next start. Returns how many projections got
-    one."""
+    from the loaded weights and (with `keep`) kept for the next start. Returns how many
+    projections got one."""
     if kept is not None:
         for name, module in linears.items():
             packed, error = kept[name]
@@ -216,10 +246,11 @@ def _packed_weights(
     made = quantize_linears_int4(linears.values(), dtype, quantization == "auto", kernel)
     if made:
         model.head_q8 = Q8Weight.exact(model.head_weight, kernel)
-        keep = {name: (m.int4.packed, m.int4.error) for name, m in linears.items()}
+        kept_now = {name: (m.int4.packed, m.int4.error) for name, m in linears.items()}
         if model.head_q8 is not None:
-            keep[packed_cache.HEAD] = (model.head_q8.packed, 0.0)
-        packed_cache.save(packed_cache.cache_file(model_dir, dtype, quantization), keep)
+            kept_now[packed_cache.HEAD] = (model.head_q8.packed, 0.0)
+        if keep:
+            packed_cache.save(packed_cache.cache_file(model_dir, dtype, quantization), kept_now)
     return made
 
 
@@ -363,6 +394,7 @@ def build_model(
     max_positions: int,
     quantization: str = "none",
     quant_kernel: QuantMatmul | None = None,
+    tp: TPGroup | None = None,
 ):
     """Construct the model without initialising weights, then fill it from the checkpoint.
 
@@ -372,6 +404,10 @@ def build_model(
     The model's `int4_layers` says how many projections got one; `quant_kernel` (servelm's C
     `QuantMatmul`, or None for torch's kernel) is the code that multiplies by them, and by an
     exact Q8_0 copy of the logits head where the checkpoint's head is one.
+
+    `tp`: this process is one rank of a tensor-parallel group; the model is its share
+    (`model/parallel.py`), read from the checkpoint's slices alone. Its packed int4 copies are
+    made at each start (the store keeps one model's, not each rank's).
     """
     from servelm.model.layers.rotary import RotaryEmbedding
     from servelm.model.registry import model_class
@@ -384,6 +420,15 @@ def build_model(
     # A GGUF import whose projections are K-quants or Q8_0 (it kept their blocks): each
     # projection is served from the file's own values where they are exactly its weights.
     blocks = gguf_blocks(model_dir) if quantization == "auto" and device.type == "cpu" else {}
+    if blocks and tp is not None:
+        logger.info(
+            "GGUF quantized weights in %s dequantized to %s: their blocks are not split "
+            "across tensor-parallel ranks",
+            model_dir,
+            str(dtype).replace("torch.", ""),
+        )
+        blocks = {}
+    slicer = TPSlicer(spec, tp) if tp is not None else None
     if blocks and (quant_kernel is None or dtype != torch.bfloat16):
         logger.info(
             "GGUF quantized weights in %s dequantized to %s: servelm's C kernel serves them "
@@ -398,7 +443,7 @@ def build_model(
         or (
             quantization == "auto"
             and device.type == "cpu"
-            and _checkpoint_is_4bit(model_dir, dtype)
+            and _checkpoint_is_4bit(model_dir, dtype, slicer)
         )
     )
 
@@ -406,11 +451,12 @@ def build_model(
     rope = RotaryEmbedding(spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling, dtype)
     # Parameters are made on the meta device (no memory, no initialisation), given their
     # dtype there, then allocated once on the device and filled from the checkpoint.
+    local = rank_spec(spec, tp) if tp is not None else spec
     with torch.device("meta"):
-        model = model_class(spec)(spec, max_positions, rope)
+        model = model_class(spec)(local, max_positions, rope)
     linears = int4_linears(model, dtype, device) if int4 else {}
     kept = None
-    if int4 and quant_kernel is not None:
+    if int4 and quant_kernel is not None and tp is None:
         kept = _kept_weights(model, linears, model_dir, dtype, quantization)
     # Int4 and int8 copies made now are made from the checkpoint's own values, so matmul weights
     # then load in float32 first and take the model's dtype afterwards. Kept copies that the C
@@ -427,7 +473,7 @@ def build_model(
         skip,
     )
     model.rope = rope.to(device)
-    load_weights(model, model_dir, skip)
+    load_weights(model, model_dir, skip, slicer)
     model.int4_layers = 0
     model.int4_kept = False  # whether the int4 copies were read from the store (packed_cache)
     model.gguf_layers = 0  # projections served from a GGUF file's own quantized values
@@ -447,7 +493,7 @@ def build_model(
     if int4:
         if quant_kernel is not None:
             model.int4_layers = _packed_weights(
-                model, linears, kept, model_dir, dtype, quantization, quant_kernel
+                model, linears, kept, model_dir, dtype, quantization, quant_kernel, tp is None
             )
         else:
             model.int4_layers = quantize_linears_int4(
@@ -465,6 +511,9 @@ def build_model(
     )
     model.batch_invariant = quant_kernel is not None and quant_kernel.invariant
     model.prepare_for_inference()
+    if tp is not None:
+        apply_tp(model, tp, spec.vocab_size)
+    model.bytes_read = slicer.bytes_read if slicer is not None else None
     if device.type == "cpu":
         _return_freed_memory()
     return model.eval()

@@ -147,7 +147,7 @@ def plan_table(p: Plan) -> Table:
         ),
         (f"Concurrency @ {p.max_model_len:,}", f"{p.max_concurrency:.2f}x"),
         (f"Concurrency @ {p.typical_len:,}", f"{p.typical_concurrency:.1f}x"),
-        ("All-reduces / token", f"{p.allreduces_per_token}"),
+        ("Collectives / step", f"{p.collectives_per_step}"),
     ]
     for c in p.cold_start:
         rows.append((f"Cold start, {c.source}", f"{c.total_s:,.0f} s  (read {c.read_s:,.0f} s)"))

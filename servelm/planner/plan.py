@@ -87,7 +87,7 @@ class Plan:
     min_tp: int | None  # smallest power-of-two TP <= 8 that fits, None if none does
     q_heads_per_gpu: int
     kv_heads_per_gpu: int
-    allreduces_per_token: int
+    collectives_per_step: int  # all-reduces and all-gathers of one forward across the ranks
     cold_start: list[ColdStart] = field(default_factory=list)
 
 
@@ -180,7 +180,7 @@ def plan(
         min_tp=min_tp,
         q_heads_per_gpu=q_heads,
         kv_heads_per_gpu=kv_heads,
-        allreduces_per_token=2 * model.num_layers if tp > 1 else 0,
+        collectives_per_step=model.collectives_per_step(tp),
         cold_start=cold,
     )
 

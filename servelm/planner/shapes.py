@@ -138,16 +138,22 @@ class ModelShape:
         """Raise ShapeError unless `tp` ranks can split this model's heads and MLP."""
         if tp < 1:
             raise ShapeError(f"tensor parallel size must be >= 1, got {tp}")
-        if self.num_heads % tp or self.intermediate_size % tp or self.moe_intermediate_size % tp:
-            raise ShapeError(
-                f"{self.name}: {self.num_heads} query heads / intermediate "
-                f"{self.intermediate_size} / expert intermediate {self.moe_intermediate_size} "
-                f"do not split across {tp} GPUs"
-            )
+        parts = [
+            (f"{self.num_heads} query heads", self.num_heads),
+            (f"intermediate size {self.intermediate_size}", self.intermediate_size),
+            (f"expert intermediate size {self.moe_intermediate_size}", self.moe_intermediate_size),
+        ]
+        bad = [what for what, n in parts if n % tp]
         if self.num_kv_heads % tp and tp % self.num_kv_heads:
-            raise ShapeError(
-                f"{self.name}: {self.num_kv_heads} KV heads do not split across {tp} GPUs"
-            )
+            bad.append(f"{self.num_kv_heads} KV heads (nor does {tp} split into them)")
+        if bad:
+            raise ShapeError(f"{self.name}: {', '.join(bad)} do not split across {tp} ranks")
+
+    def collectives_per_step(self, tp: int) -> int:
+        """Collectives one forward makes across `tp` ranks (0 at 1): an all-reduce after each
+        layer's attention and MLP output projections, one after the vocab-parallel embedding
+        lookup, and an all-gather of the logits (what servelm/model/parallel.py does)."""
+        return 2 * self.num_layers + 2 if tp > 1 else 0
 
     def heads_per_gpu(self, tp: int) -> tuple[int, int]:
         """(query heads, KV heads) held by each rank; KV heads replicate when fewer than tp."""

@@ -182,7 +182,7 @@ class ModelCost:
     weight_bytes_per_step: float  # weights streamed from memory once per step
     kv_bytes_per_token: float  # KV bytes of one token on this rank
     tp: int = 1
-    allreduces_per_step: int = 0  # 2 per layer when tp > 1
+    allreduces_per_step: int = 0  # ModelShape.collectives_per_step (tp > 1)
     allreduce_bytes_per_token: float = 0.0  # hidden x 2 bytes (bf16 activations)
 
     @classmethod
@@ -205,7 +205,7 @@ class ModelCost:
             - untied_embedding * UNQUANTISED_BYTES,
             kv_bytes_per_token=shape.kv_bytes_per_token(kv_dtype, tp),
             tp=tp,
-            allreduces_per_step=2 * shape.num_layers if tp > 1 else 0,
+            allreduces_per_step=shape.collectives_per_step(tp),
             allreduce_bytes_per_token=shape.hidden_size * KV_BYTES["bf16"],
         )
 

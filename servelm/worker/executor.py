@@ -18,7 +18,10 @@ from servelm.engine.scheduler import SchedulerConfig
 from servelm.model.config import ModelSpec, load_spec
 from servelm.store.fetch import resolve_model_dir
 from servelm.structured.matcher import StructuredOutputs
+from servelm.model.loader import checkpoint_names
+from servelm.model.parallel import check_supported
 from servelm.worker.model_runner import ModelRunner
+from servelm.worker.tp import TPRunner
 
 logger = logging.getLogger("servelm")
 
@@ -44,9 +47,7 @@ def create_engine_core(
         raise ValueError(
             f"--max-model-len {max_model_len} exceeds the model's context {spec.max_position_embeddings}"
         )
-    runner = ModelRunner(
-        model_dir,
-        spec,
+    runner_kwargs = dict(
         dtype=args.dtype,
         quantization=args.quantization,
         device=args.device,
@@ -58,6 +59,13 @@ def create_engine_core(
         seed=args.seed,
         num_threads=args.num_threads,
     )
+    tp = args.tensor_parallel_size
+    if tp > 1:
+        check_supported(spec, checkpoint_names(model_dir), tp)  # before any rank starts
+        runner = TPRunner(model_dir, spec, tp, **runner_kwargs)
+        runner.log_ranks()
+    else:
+        runner = ModelRunner(model_dir, spec, **runner_kwargs)
     int4 = f", int4 weights for {runner.int4_layers} projections" if runner.int4_layers else ""
     if runner.model.int4_kept:
         int4 += ", kept from the last start"

@@ -26,6 +26,7 @@ from servelm.kernels.paths import ALL_ROWS, StepPaths
 from servelm.kernels.quant_matmul import GGUF_KERNEL_TYPES, QuantMatmul
 from servelm.model.config import ModelSpec
 from servelm.model.loader import build_model
+from servelm.model.parallel import TPGroup, rank_spec
 from servelm.worker.attention import TorchPagedAttention
 from servelm.worker.decode_stack import DecodeStack
 from servelm.worker.kv_pool import PageFiller, kv_pool
@@ -75,9 +76,15 @@ class ModelRunner:
         max_model_len: int,
         seed: int = 0,
         num_threads: int | None = None,
+        tp: TPGroup | None = None,
     ) -> None:
-        self.spec = spec
+        # Under tensor parallelism the runner holds rank `tp.rank`'s share: its heads (and KV
+        # cache), MLP width and vocabulary (`model/parallel.py`).
+        self.tp = tp
+        self.spec = rank_spec(spec, tp) if tp is not None else spec
         self.device = resolve_device(device)
+        if tp is not None and self.device.type == "cuda":
+            self.device = torch.device("cuda", tp.rank)
         self.dtype = resolve_dtype(dtype, spec, self.device)
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -102,7 +109,14 @@ class ModelRunner:
         self.batch_invariant = batch_invariant
         t0 = time.perf_counter()
         self.model = build_model(
-            model_dir, spec, self.dtype, self.device, max_model_len, quantization, self.quant_kernel
+            model_dir,
+            spec,
+            self.dtype,
+            self.device,
+            max_model_len,
+            quantization,
+            self.quant_kernel,
+            tp,
         )
         self.weight_bytes = self.model.weight_bytes
         self.int4_layers = self.model.int4_layers
@@ -150,7 +164,8 @@ class ModelRunner:
         self.attn = TorchPagedAttention.for_model(
             self.spec, caches, self.block_size, decode, prefill, self.batch_invariant
         )
-        self.decode_stack = DecodeStack.build(self.model, self.attn)
+        # (the C layer loop runs whole layers: no place for the ranks' sums between them)
+        self.decode_stack = DecodeStack.build(self.model, self.attn) if self.tp is None else None
         self.num_blocks = num_blocks
 
     @property
@@ -289,6 +304,9 @@ class ModelRunner:
             scored = self._prompt_logprobs(hidden, so.requests, keep_all) if keep_all else {}
             if not sampled:
                 return ModelRunnerOutput({}, prompt_logprobs=scored)
+            if self.tp is not None and self.tp.rank:  # rank 0 samples; this one only gathers
+                self.model.compute_logits(hidden[self.attn.meta.sample_rows])
+                return ModelRunnerOutput({})
             # hidden holds the kept rows (attention.py): the sampled requests' places there
             logits = self.model.compute_logits(hidden[self.attn.meta.sample_rows])
             batch = SamplingBatch(

@@ -195,6 +195,11 @@ def check_against_transformers(
     longest = max(len(p) for p in prompts) + max_tokens
     assert tight_blocks * 16 >= longest, "one request must fit the tight cache alone"
     assert tight_blocks * 16 < len(prompts) * longest, "the tight cache must force preemption"
+    tp = engine_kwargs.get("tensor_parallel_size", 1)
+    if tp > 1:  # the KV budget is per rank, and a rank holds its share of the KV heads
+        from servelm.model.parallel import TPGroup, rank_spec
+
+        spec = rank_spec(spec, TPGroup(0, tp))
     per_block = spec.kv_bytes_per_token(4) * 16
     for backend in kernels:
         llm = LLM(

@@ -24,7 +24,7 @@ def test_llama_8b_on_one_h100(llama8b_plan):
     assert round(p.max_concurrency, 1) == 3.1  # at 131,072 tokens
     assert p.typical_concurrency == pytest.approx(164, abs=1)  # at 2,500 tokens
     assert p.fits and p.min_tp == 1
-    assert p.allreduces_per_token == 0
+    assert p.collectives_per_step == 0
 
 
 def test_capping_context_raises_concurrency_four_times(llama8b_plan):
@@ -38,7 +38,7 @@ def test_llama_70b_tp4():
     assert p.weight_bytes / 1e9 == pytest.approx(35, abs=0.5)
     assert p.kv_bytes_per_token == 80 * 1024  # 80 KiB per GPU
     assert p.kv_bytes_per_token_total == 4 * 80 * 1024
-    assert p.allreduces_per_token == 160  # 2 per layer x 80 layers
+    assert p.collectives_per_step == 162  # 2 all-reduces per layer x 80, embedding, logits
     assert p.fits
 
 

@@ -16,7 +16,7 @@ def test_json_output_parses(capsys):
 def test_table_output(capsys):
     assert main(["plan", "llama-3.1-70b", "--tp", "4"]) == 0
     out = capsys.readouterr().out
-    assert "16 query, 2 KV" in out and "160" in out
+    assert "16 query, 2 KV" in out and "162" in out
 
 
 def test_folder_and_custom_gpu(tmp_path, capsys):

@@ -23,7 +23,7 @@ row count it still does on a CPU with AMX tiles or without oneDNN's bf16 matmul
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -268,6 +268,7 @@ class Linear(nn.Linear):
     packed: torch.Tensor | None = None
     int4: Int4Weight | None = None
     quant: GGUFWeight | None = None
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # (model/parallel.py)
 
     def use_quant(self, weight: GGUFWeight) -> None:
         """Serve inputs of up to `weight.max_rows` rows from `weight`; if that is every input,
@@ -293,6 +294,11 @@ class Linear(nn.Linear):
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._matmul(x)
+        # row-parallel under tensor parallelism: this rank's partial sum, summed across ranks
+        return out if self.reduce is None else self.reduce(out)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None and x.shape[0] <= self.quant.max_rows:
             out = self.quant(x)
             return out if self.bias is None else out.add_(self.bias)
