@@ -109,9 +109,410 @@ INLINE int unpack_block(int type, const uint8_t *blk, float *w, float *mins)
     return QK_K;
 }
 
-/* x [B, K] bfloat16; w [N, row bytes] GGUF blocks of `type`; y [B, N] bfloat16, or float32
- * with f32 (the logits head). K a multiple of the type's block (the caller checks). */
-void gguf_matmul_bf16(int64_t type, const uint16_t *x, const uint8_t *w, void *y, int64_t B,
+/* The per-block numbers a block's chunks are scaled by, in p[16]: Q4_K, Q5_K: the 8 (dmin * m)
+ * in p[0..7] and the 8 (d * sc) in p[8..15]; Q6_K: its 16 (d * sc); Q8_0: d in p[0]. Each is
+ * exact in float32 (a float16 times a 6- or 8-bit integer). */
+INLINE void kq_prep(const int type, const uint8_t *blk, float *p)
+{
+    if (type == GGUF_Q8_0) {
+        p[0] = half_at(blk);
+        return;
+    }
+    if (type == GGUF_Q6_K) {
+        const float d = half_at(blk + 208);
+        for (int i = 0; i < 16; i++)
+            p[i] = d * (float)(int8_t)blk[192 + i];
+        return;
+    }
+    uint32_t u[3]; /* llama.cpp's get_scale_min_k4 on 32-bit words: bytes m0-7, then sc0-7 */
+    memcpy(u, blk + 4, sizeof u);
+    const uint32_t m_lo = u[1] & 0x3f3f3f3fu;
+    const uint32_t m_hi = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+    const uint32_t sc_lo = u[0] & 0x3f3f3f3fu;
+    const uint32_t sc_hi = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+    const uint32_t words[4] = {m_lo, m_hi, sc_lo, sc_hi};
+    uint8_t b[16];
+    memcpy(b, words, sizeof b);
+    const float d = half_at(blk), dmin = half_at(blk + 2);
+    for (int i = 0; i < 16; i++)
+        p[i] = (i < 8 ? dmin : d) * (float)b[i];
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__F16C__)
+/* With AVX-512 BF16: each chunk of 32 quants becomes the bfloat16 numbers q (Q6_K: q - 32),
+ * exact (integers below 2^8), by a table lookup (vpermw); vdpbf16ps multiplies them by x as it
+ * is (bfloat16) in pairs, exact products summed in float32 lanes (lane i: inputs 2i, 2i + 1),
+ * and one FMA per chunk scales the 16 lanes by the chunk's (d * sc): x is never rounded. */
+#define KQ_SIMD 1
+#define KQ_X_F32 0 /* x read as bfloat16 */
+typedef __m512 kq_acc;
+typedef struct {
+    __m512bh q;
+    __m512 s;
+} kq_chunk;
+typedef __m512bh kq_x;
+typedef struct {
+    __m512i pos, neg; /* bfloat16 0..31 and -32..-1, for vpermw / vpermt2w */
+} kq_tables;
+
+INLINE kq_tables kq_make_tables(void)
+{
+    const __m512 i0 = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 i16 = _mm512_add_ps(i0, _mm512_set1_ps(16.f));
+    const __m512 m32 = _mm512_set1_ps(-32.f);
+    kq_tables t;
+    t.pos = (__m512i)_mm512_cvtne2ps_pbh(i16, i0);
+    t.neg = (__m512i)_mm512_cvtne2ps_pbh(_mm512_add_ps(i16, m32), _mm512_add_ps(i0, m32));
+    return t;
+}
+
+/* 32 bytes at p -> 32 16-bit lanes */
+INLINE __m512i kq_bytes16(const uint8_t *p)
+{
+    return _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
+}
+
+/* chunk c (32 weights, inputs 32c..32c + 31 of the block) of a block with numbers p */
+INLINE kq_chunk kq_unpack(const int type, const uint8_t *blk, const float *p, const int c,
+                          kq_tables t)
+{
+    kq_chunk ch;
+    if (type == GGUF_Q8_0) {
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2))));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18))));
+        ch.q = _mm512_cvtne2ps_pbh(hi, lo);
+        ch.s = _mm512_set1_ps(p[0]);
+        return ch;
+    }
+    if (type == GGUF_Q6_K) {
+        /* chunk c = 4h + s: low 4 bits from ql[64h + 32(s % 2) + i] (high nibble for s >= 2),
+         * high 2 bits from qh[32h + i] >> 2s; lanes 0-7 are sub-block 2c, 8-15 2c + 1 */
+        const int h = c / 4, s = c % 4;
+        const __m512i l = kq_bytes16(blk + 64 * h + 32 * (s % 2));
+        const __m512i u = kq_bytes16(blk + 128 + 32 * h);
+        const __m512i lo = s < 2 ? _mm512_and_si512(l, _mm512_set1_epi16(15)) : _mm512_srli_epi16(l, 4);
+        const __m512i up = s < 2 ? _mm512_slli_epi16(u, 4 - 2 * s)
+                                 : (s == 2 ? u : _mm512_srli_epi16(u, 2));
+        const __m512i q = _mm512_ternarylogic_epi32(lo, up, _mm512_set1_epi16(0x30), 0xF8);
+        ch.q = (__m512bh)_mm512_permutex2var_epi16(t.neg, q, t.pos);
+        const __m512i idx = _mm512_setr_epi32(2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c,
+                                              2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1,
+                                              2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1);
+        ch.s = _mm512_permutexvar_ps(idx, _mm512_loadu_ps(p));
+        return ch;
+    }
+    /* Q4_K, Q5_K: sub-block c from the low (c even) or high nibbles of qs[32(c / 2)..]; Q5_K's
+     * fifth bit is bit c of qh[i] */
+    const int five = type == GGUF_Q5_K;
+    const __m512i v = kq_bytes16(blk + (five ? 48 : 16) + 32 * (c / 2));
+    __m512i q = c % 2 ? _mm512_srli_epi16(v, 4) : _mm512_and_si512(v, _mm512_set1_epi16(15));
+    if (five) {
+        const __m512i u = kq_bytes16(blk + 16);
+        const __m512i bit = c <= 4 ? _mm512_slli_epi16(u, 4 - c) : _mm512_srli_epi16(u, c - 4);
+        q = _mm512_ternarylogic_epi32(q, bit, _mm512_set1_epi16(0x10), 0xF8); /* q | (bit & 16) */
+    }
+    ch.q = (__m512bh)_mm512_permutexvar_epi16(q, t.pos);
+    ch.s = _mm512_set1_ps(p[8 + c]);
+    return ch;
+}
+
+INLINE kq_x kq_load_x(const uint16_t *x, const float *xf, int64_t at)
+{
+    (void)xf;
+    return (__m512bh)_mm512_loadu_si512((const void *)(x + at));
+}
+
+INLINE kq_acc kq_zero(void) { return _mm512_setzero_ps(); }
+
+INLINE kq_acc kq_madd(kq_acc acc, kq_chunk ch, kq_x x)
+{
+    return _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), ch.q, x), ch.s, acc);
+}
+
+/* acc - sum_j (dmin * m_j) * xs_j: the mins in lanes 0-7 (p[8..15] meet zeros) */
+INLINE kq_acc kq_mins(kq_acc acc, const float *p, const float *xs)
+{
+    const __m512 sums = _mm512_zextps256_ps512(_mm256_loadu_ps(xs));
+    return _mm512_fnmadd_ps(_mm512_loadu_ps(p), sums, acc);
+}
+
+INLINE float kq_sum(kq_acc acc) { return _mm512_reduce_add_ps(acc); }
+
+#define KQ_FUSED_ROWS 4 /* rows of W a fused pass takes at once */
+#define KQ_TILE_ROWS 8 /* rows of W a tiled pass unpacks together */
+#ifndef KQ_FUSED_MAX_B
+#define KQ_FUSED_MAX_B 4 /* rows of x up to which chunks go straight from memory into the dots */
+#endif
+
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* With AVX2 (and AVX-512 without BF16): each chunk of 32 quants becomes 4 x 8 float32 weights
+ * (d * sc) * q, exact, and 8-lane FMAs with x in float32 sum them, in two chains per row. */
+#define KQ_SIMD 1
+#define KQ_X_F32 1
+typedef struct {
+    __m256 a[2];
+} kq_acc;
+typedef struct {
+    __m256 w[4];
+} kq_chunk;
+typedef struct {
+    __m256 v[4];
+} kq_x;
+typedef int kq_tables;
+
+INLINE kq_tables kq_make_tables(void) { return 0; }
+
+INLINE __m256i kq_bytes32(const uint8_t *p) /* 8 bytes at p -> 8 32-bit lanes */
+{
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+}
+
+INLINE kq_chunk kq_unpack(const int type, const uint8_t *blk, const float *p, const int c,
+                          kq_tables t)
+{
+    (void)t;
+    kq_chunk ch;
+    for (int m = 0; m < 4; m++) {
+        __m256i q;
+        float s;
+        if (type == GGUF_Q8_0) {
+            q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * m)));
+            s = p[0];
+        } else if (type == GGUF_Q6_K) { /* as in unpack_block */
+            const int h = c / 4, sb = c % 4;
+            const __m256i l = kq_bytes32(blk + 64 * h + 32 * (sb % 2) + 8 * m);
+            const __m256i u = kq_bytes32(blk + 128 + 32 * h + 8 * m);
+            const __m256i lo = sb < 2 ? _mm256_and_si256(l, _mm256_set1_epi32(15)) : _mm256_srli_epi32(l, 4);
+            const __m256i up = sb < 2 ? _mm256_slli_epi32(u, 4 - 2 * sb)
+                                      : (sb == 2 ? u : _mm256_srli_epi32(u, 2));
+            q = _mm256_sub_epi32(
+                _mm256_or_si256(lo, _mm256_and_si256(up, _mm256_set1_epi32(0x30))),
+                _mm256_set1_epi32(32));
+            s = p[2 * c + m / 2];
+        } else {
+            const int five = type == GGUF_Q5_K;
+            const __m256i v = kq_bytes32(blk + (five ? 48 : 16) + 32 * (c / 2) + 8 * m);
+            q = c % 2 ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(15));
+            if (five) {
+                const __m256i u = kq_bytes32(blk + 16 + 8 * m);
+                const __m256i bit = c <= 4 ? _mm256_slli_epi32(u, 4 - c) : _mm256_srli_epi32(u, c - 4);
+                q = _mm256_or_si256(q, _mm256_and_si256(bit, _mm256_set1_epi32(16)));
+            }
+            s = p[8 + c];
+        }
+        ch.w[m] = _mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(s));
+    }
+    return ch;
+}
+
+INLINE kq_x kq_load_x(const uint16_t *x, const float *xf, int64_t at)
+{
+    (void)x;
+    kq_x v;
+    for (int m = 0; m < 4; m++)
+        v.v[m] = _mm256_loadu_ps(xf + at + 8 * m);
+    return v;
+}
+
+INLINE kq_acc kq_zero(void)
+{
+    kq_acc a;
+    a.a[0] = a.a[1] = _mm256_setzero_ps();
+    return a;
+}
+
+INLINE kq_acc kq_madd(kq_acc acc, kq_chunk ch, kq_x x)
+{
+    for (int m = 0; m < 4; m++)
+        acc.a[m % 2] = _mm256_fmadd_ps(ch.w[m], x.v[m], acc.a[m % 2]);
+    return acc;
+}
+
+INLINE kq_acc kq_mins(kq_acc acc, const float *p, const float *xs)
+{
+    acc.a[0] = _mm256_fnmadd_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(xs), acc.a[0]);
+    return acc;
+}
+
+INLINE float kq_sum(kq_acc acc) { return lanes_sum8(_mm256_add_ps(acc.a[0], acc.a[1])); }
+
+#define KQ_FUSED_ROWS 2
+#define KQ_TILE_ROWS 4
+#ifndef KQ_FUSED_MAX_B
+#define KQ_FUSED_MAX_B 1
+#endif
+#endif
+
+#ifdef KQ_SIMD
+/* The SIMD paths: each output y[b, n] is sum over W's blocks k, in order, of its chunks' dots
+ * (kq_madd), then the block's mins (kq_mins), summed across lanes at the end: the same operations
+ * whatever B and however the rows are grouped, so batch invariant. */
+
+INLINE void kq_store(void *y, int64_t at, float v, int64_t f32)
+{
+    if (f32)
+        ((float *)y)[at] = v;
+    else
+        ((uint16_t *)y)[at] = float_to_bf16(v);
+}
+
+/* R rows of W from n0 against B rows of x (R, B constants at each call), each chunk unpacked
+ * into registers and taken by every row of x at once: decode steps. */
+INLINE void kq_fused(const int type, const int R, const int B, const uint16_t *x,
+                     const float *xf, const float *xs, const uint8_t *w, int64_t row_bytes,
+                     int64_t block_bytes, int64_t qk, void *y, int64_t n0, int64_t N,
+                     int64_t K, int64_t f32, kq_tables t)
+{
+    const int chunks = (int)(qk / 32), mins = type == GGUF_Q4_K || type == GGUF_Q5_K;
+    const int64_t blocks = K / qk, G = K / 32;
+    kq_acc acc[KQ_FUSED_MAX_B][KQ_FUSED_ROWS];
+    for (int b = 0; b < B; b++)
+        for (int r = 0; r < R; r++)
+            acc[b][r] = kq_zero();
+    for (int64_t k = 0; k < blocks; k++) {
+        const uint8_t *blk[KQ_FUSED_ROWS];
+        float p[KQ_FUSED_ROWS][16];
+        for (int r = 0; r < R; r++) {
+            blk[r] = w + (n0 + r) * row_bytes + k * block_bytes;
+            kq_prep(type, blk[r], p[r]);
+        }
+        for (int c = 0; c < chunks; c++) {
+            kq_x xv[KQ_FUSED_MAX_B];
+            for (int b = 0; b < B; b++)
+                xv[b] = kq_load_x(x, xf, b * K + k * qk + 32 * c);
+            for (int r = 0; r < R; r++) {
+                const kq_chunk ch = kq_unpack(type, blk[r], p[r], c, t);
+                for (int b = 0; b < B; b++)
+                    acc[b][r] = kq_madd(acc[b][r], ch, xv[b]);
+            }
+        }
+        if (mins)
+            for (int b = 0; b < B; b++)
+                for (int r = 0; r < R; r++)
+                    acc[b][r] = kq_mins(acc[b][r], p[r], xs + b * G + k * 8);
+    }
+    for (int b = 0; b < B; b++)
+        for (int r = 0; r < R; r++)
+            kq_store(y, b * N + n0 + r, kq_sum(acc[b][r]), f32);
+}
+
+/* KQ_TILE rows of W from n0 against B rows of x: each block of the rows unpacked once into
+ * `buf`, then every row of x through it, the sums kept in `acc` [B][KQ_TILE] between blocks:
+ * prompts. */
+INLINE void kq_tiled(const int type, const uint16_t *x, const float *xf, const float *xs,
+                     const uint8_t *w, int64_t row_bytes, int64_t block_bytes, int64_t qk,
+                     void *y, int64_t n0, int64_t rows, int64_t B, int64_t N, int64_t K,
+                     int64_t f32, kq_tables t, kq_chunk *buf, kq_acc *acc)
+{
+    const int chunks = (int)(qk / 32), mins = type == GGUF_Q4_K || type == GGUF_Q5_K;
+    const int64_t blocks = K / qk, G = K / 32;
+    float p[KQ_TILE_ROWS][16];
+    for (int64_t i = 0; i < B * KQ_TILE_ROWS; i++)
+        acc[i] = kq_zero();
+    for (int64_t k = 0; k < blocks; k++) {
+        for (int64_t r = 0; r < rows; r++) {
+            const uint8_t *blk = w + (n0 + r) * row_bytes + k * block_bytes;
+            kq_prep(type, blk, p[r]);
+            for (int c = 0; c < chunks; c++)
+                buf[r * 8 + c] = kq_unpack(type, blk, p[r], c, t);
+        }
+        for (int64_t b = 0; b < B; b++) {
+            kq_acc *a = acc + b * KQ_TILE_ROWS;
+            if (rows == KQ_TILE_ROWS) { /* the common case, with the sums in registers */
+                kq_acc s[KQ_TILE_ROWS];
+                for (int r = 0; r < KQ_TILE_ROWS; r++)
+                    s[r] = a[r];
+                for (int c = 0; c < chunks; c++) {
+                    const kq_x xv = kq_load_x(x, xf, b * K + k * qk + 32 * c);
+                    for (int r = 0; r < KQ_TILE_ROWS; r++)
+                        s[r] = kq_madd(s[r], buf[r * 8 + c], xv);
+                }
+                if (mins)
+                    for (int r = 0; r < KQ_TILE_ROWS; r++)
+                        s[r] = kq_mins(s[r], p[r], xs + b * G + k * 8);
+                for (int r = 0; r < KQ_TILE_ROWS; r++)
+                    a[r] = s[r];
+                continue;
+            }
+            for (int64_t r = 0; r < rows; r++) {
+                for (int c = 0; c < chunks; c++)
+                    a[r] = kq_madd(a[r], buf[r * 8 + c], kq_load_x(x, xf, b * K + k * qk + 32 * c));
+                if (mins)
+                    a[r] = kq_mins(a[r], p[r], xs + b * G + k * 8);
+            }
+        }
+    }
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t r = 0; r < rows; r++)
+            kq_store(y, b * N + n0 + r, kq_sum(acc[b * KQ_TILE_ROWS + r]), f32);
+}
+
+/* fused passes for B = 1..KQ_FUSED_MAX_B rows of x (each B a constant in its call) */
+INLINE void kq_fused_b(const int type, const int R, int64_t B, const uint16_t *x,
+                       const float *xf, const float *xs, const uint8_t *w, int64_t row_bytes,
+                       int64_t block_bytes, int64_t qk, void *y, int64_t n0, int64_t N,
+                       int64_t K, int64_t f32, kq_tables t)
+{
+#define KQ_FUSED_CASE(NB)                                                                     \
+    case NB:                                                                                  \
+        kq_fused(type, R, NB, x, xf, xs, w, row_bytes, block_bytes, qk, y, n0, N, K, f32, t); \
+        break;
+    switch (B) {
+        KQ_FUSED_CASE(1)
+#if KQ_FUSED_MAX_B >= 2
+        KQ_FUSED_CASE(2)
+#endif
+#if KQ_FUSED_MAX_B >= 3
+        KQ_FUSED_CASE(3)
+#endif
+#if KQ_FUSED_MAX_B >= 4
+        KQ_FUSED_CASE(4)
+#endif
+    default: break;
+    }
+#undef KQ_FUSED_CASE
+}
+
+INLINE void kq_matmul(const int type, const uint16_t *x, const float *xf, const float *xs,
+                      const uint8_t *w, void *y, int64_t B, int64_t N, int64_t K, int64_t f32)
+{
+    int64_t block_bytes;
+    const int64_t qk = gguf_block_size(type, &block_bytes);
+    const int64_t row_bytes = K / qk * block_bytes;
+    const kq_tables t = kq_make_tables();
+    if (B <= KQ_FUSED_MAX_B) {
+        const int64_t whole = N / KQ_FUSED_ROWS, full = whole * KQ_FUSED_ROWS;
+#pragma omp parallel for schedule(static)
+        for (int64_t i = 0; i < whole + (N - full); i++) { /* tiles, then single rows */
+            const int64_t n0 = i < whole ? i * KQ_FUSED_ROWS : full + (i - whole);
+            if (n0 < full)
+                kq_fused_b(type, KQ_FUSED_ROWS, B, x, xf, xs, w, row_bytes, block_bytes, qk, y,
+                           n0, N, K, f32, t);
+            else
+                kq_fused_b(type, 1, B, x, xf, xs, w, row_bytes, block_bytes, qk, y, n0, N, K,
+                           f32, t);
+        }
+        return;
+    }
+#pragma omp parallel
+    {
+        kq_chunk *buf = aligned_alloc(64, KQ_TILE_ROWS * 8 * sizeof(kq_chunk));
+        kq_acc *acc = aligned_alloc(64, (size_t)(B * KQ_TILE_ROWS) * sizeof(kq_acc));
+#pragma omp for schedule(static)
+        for (int64_t tile = 0; tile < (N + KQ_TILE_ROWS - 1) / KQ_TILE_ROWS; tile++) {
+            const int64_t n0 = tile * KQ_TILE_ROWS, rows = N - n0 < KQ_TILE_ROWS ? N - n0 : KQ_TILE_ROWS;
+            kq_tiled(type, x, xf, xs, w, row_bytes, block_bytes, qk, y, n0, rows, B, N, K, f32,
+                     t, buf, acc);
+        }
+        free(acc);
+        free(buf);
+    }
+}
+#endif
+
+#ifndef KQ_SIMD
+/* The plain C path (no AVX2): */
+static void gguf_matmul_c(int64_t type, const uint16_t *x, const uint8_t *w, void *y, int64_t B,
                       int64_t N, int64_t K, int64_t f32)
 {
     int64_t block_bytes;
@@ -174,6 +575,40 @@ void gguf_matmul_bf16(int64_t type, const uint16_t *x, const uint8_t *w, void *y
     }
     free(xf);
     free(xs);
+}
+
+#endif
+
+/* x [B, K] bfloat16; w [N, row bytes] GGUF blocks of `type`; y [B, N] bfloat16, or float32
+ * with f32 (the logits head). K a multiple of the type's block (the caller checks). */
+void gguf_matmul_bf16(int64_t type, const uint16_t *x, const uint8_t *w, void *y, int64_t B,
+                      int64_t N, int64_t K, int64_t f32)
+{
+#ifdef KQ_SIMD
+    int64_t block_bytes;
+    if (gguf_block_size(type, &block_bytes) == 0)
+        return;
+    float *xs = NULL, *xf = NULL;
+    if (type == GGUF_Q4_K || type == GGUF_Q5_K) {
+        xs = malloc((size_t)(B * (K / GROUP)) * sizeof(float));
+        group_sums(x, xs, B, K);
+    }
+    if (KQ_X_F32) {
+        xf = malloc((size_t)(B * K) * sizeof(float));
+        for (int64_t i = 0; i < B * K; i++)
+            xf[i] = bf16_to_float(x[i]);
+    }
+    switch (type) { /* the type a constant in each, for the inlining */
+    case GGUF_Q8_0: kq_matmul(GGUF_Q8_0, x, xf, xs, w, y, B, N, K, f32); break;
+    case GGUF_Q4_K: kq_matmul(GGUF_Q4_K, x, xf, xs, w, y, B, N, K, f32); break;
+    case GGUF_Q5_K: kq_matmul(GGUF_Q5_K, x, xf, xs, w, y, B, N, K, f32); break;
+    default: kq_matmul(GGUF_Q6_K, x, xf, xs, w, y, B, N, K, f32); break;
+    }
+    free(xf);
+    free(xs);
+#else
+    gguf_matmul_c(type, x, w, y, B, N, K, f32);
+#endif
 }
 
 /* The float32 weights W [N, K] that GGUF blocks of `type` hold, w = (d * sc) * q - dmin * m
