@@ -65,6 +65,7 @@ class RankInfo:
     weight_bytes: int
     bytes_read: int  # of the checkpoint, by this rank
     rss_bytes: int
+    int4_layers: int  # projections served from 4-bit copies of this rank's slices
 
     def line(self) -> str:
         return (
@@ -124,6 +125,8 @@ class TPRunner:
                 self.workers.append(_Worker.start(setup))
             for worker in self.workers:  # each says it is about to join (or dies first)
                 worker.reply()
+            if backend == "nccl":
+                torch.cuda.set_device(0)
             group = process_group(backend, store, 0, size, COLLECTIVE_TIMEOUT)
             self.runner = ModelRunner(model_dir, spec, tp=group, **runner_kwargs)
             self.ranks = [self._info(self.runner, 0)] + [w.reply() for w in self.workers]
@@ -173,7 +176,10 @@ class TPRunner:
 
     @staticmethod
     def _info(runner, rank: int) -> RankInfo:
-        return RankInfo(rank, runner.weight_bytes, runner.model.bytes_read or 0, rss_bytes())
+        model = runner.model
+        return RankInfo(
+            rank, runner.weight_bytes, model.bytes_read or 0, rss_bytes(), model.int4_layers
+        )
 
     def log_ranks(self) -> None:
         logger.info(

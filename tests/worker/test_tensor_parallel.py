@@ -100,6 +100,31 @@ def test_each_rank_reads_and_holds_what_the_plan_says(tmp_path):
     assert group.collectives - before == 3 * expected  # a prompt step and two decode steps
 
 
+def test_q4_1_weights_are_sliced_into_int4_copies_on_each_rank(tmp_path):
+    """A Q4_1 GGUF (the default model's form): each rank's slices of the 4-bit projections
+    still lie on their groups' grid (a column slice keeps whole groups of 32), so each rank
+    serves them from exact int4 copies with the C kernel, and greedy tokens are tp=1's."""
+    from servelm.store.gguf_import import import_gguf
+    from tests.store.gguf_models import Q, all_of, tiny_hf_model, write_family_gguf
+
+    layers = 2
+    hf = tiny_hf_model("llama", num_attention_heads=8, num_key_value_heads=4, head_dim=32)
+    src = write_family_gguf(tmp_path / "q4_1.gguf", hf, "llama", all_of(Q.Q4_1))
+    folder = import_gguf(src, tmp_path / "model")
+    prompts = [[5, 6, 7, 8] * 6, [9, 10, 11] * 5, [12] * 9]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = {}
+    for tp in (1, 2):
+        llm = LLM(str(folder), dtype="bfloat16", kv_cache_memory="4MiB", tensor_parallel_size=tp)
+        if tp == 2:
+            assert [r.int4_layers for r in llm.engine.executor.ranks] == [4 * layers] * 2
+        else:
+            assert llm.engine.executor.int4_layers == 4 * layers
+        outs[tp] = [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
+        del llm
+    assert outs[2] == outs[1]
+
+
 def _numel(shape) -> int:
     n = 1
     for d in shape:

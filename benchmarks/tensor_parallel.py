@@ -1,0 +1,122 @@
+"""Step time at tensor-parallel size 1 and 2 on this machine's cores, servelm's real loader and
+engine: one process with every core against two ranks sharing them (one thread each, gloo).
+
+    .venv/bin/python -m benchmarks.tensor_parallel                     # 12 layers, hidden 1024
+    .venv/bin/python -m benchmarks.tensor_parallel --rounds 3 --json out.json
+
+A Llama-shaped model with random weights (16 query heads over 4 KV heads, so that 2 ranks can
+split it; the default model's 9 heads cannot be) is written as a Q4_1 GGUF, the default model's
+form, and imported; each rank then serves its slices from int4 copies. The sizes alternate
+(1, 2, 1, 2, ...) so that the machine's drift falls on both. Per size: a decode token's time
+((1 + N tokens) - (1 token)) / N, a 256-token prompt step's, the bytes each rank read from the
+checkpoint and its resident memory after loading.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+DIMS = dict(
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=12,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=64,
+)
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def make_model(folder: Path, layers: int) -> Path:
+    from servelm.store.gguf_import import import_gguf
+    from tests.store.gguf_models import Q, all_of, tiny_hf_model, write_family_gguf
+
+    hf = tiny_hf_model("llama", **{**DIMS, "num_hidden_layers": layers})
+    src = write_family_gguf(folder / "model.gguf", hf, "llama", all_of(Q.Q4_1))
+    return import_gguf(src, folder / "model")
+
+
+def measure(model_dir: Path, tp: int, tokens: int) -> dict:
+    from servelm import LLM, SamplingParams
+    from servelm.worker.tp import rss_bytes
+
+    llm = LLM(
+        str(model_dir),
+        dtype="bfloat16",
+        kv_cache_memory="256MiB",
+        tensor_parallel_size=tp,
+        enable_prefix_caching=False,  # each run's prompt is computed, not found cached
+    )
+    runner = llm.engine.executor
+    prompt = [3 + i % 20 for i in range(256)]  # (the test tokenizer has 24 tokens)
+
+    def run(n: int) -> float:
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        t0 = time.perf_counter()
+        llm.generate([prompt], params)
+        return time.perf_counter() - t0
+
+    run(2)  # warm
+    one = min(run(1) for _ in range(3))  # the prompt step
+    many = min(run(1 + tokens) for _ in range(2))
+    if tp > 1:
+        ranks = [
+            {"rank": r.rank, "bytes_read": r.bytes_read, "rss_bytes": r.rss_bytes}
+            for r in runner.ranks
+        ]
+    else:
+        # one process reads every tensor whole: the checkpoint's size
+        size = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+        ranks = [{"rank": 0, "bytes_read": size, "rss_bytes": rss_bytes()}]
+    del llm
+    return {
+        "tp": tp,
+        "prompt_step_ms": one * 1000,
+        "decode_ms_per_token": (many - one) / tokens * 1000,
+        "ranks": ranks,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=DIMS["num_hidden_layers"])
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_model(Path(tmp), args.layers)
+        rows = []
+        for _ in range(args.rounds):
+            for tp in (1, 2):
+                rows.append(measure(model_dir, tp, args.tokens))
+                r = rows[-1]
+                print(
+                    f"tp={tp}: prompt step (256 tokens) {r['prompt_step_ms']:.1f} ms, decode "
+                    f"{r['decode_ms_per_token']:.2f} ms/token; "
+                    + "; ".join(
+                        f"rank {x['rank']} read {(x['bytes_read'] or 0) / 2**20:.1f} MiB, "
+                        f"RSS {x['rss_bytes'] / 2**20:.0f} MiB"
+                        for x in r["ranks"]
+                    ),
+                    flush=True,
+                )
+    if args.json:
+        args.json.write_text(
+            json.dumps({"cpu": cpu_name(), "dims": DIMS, "layers": args.layers, "runs": rows}, indent=1)
+        )
+
+
+if __name__ == "__main__":
+    main()
