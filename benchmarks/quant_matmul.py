@@ -13,13 +13,25 @@ Each weight exists in `--copies` distinct copies, cycled through, so that the we
 from memory rather than from a cache warmed by the previous call, as in a decode step. The two
 sides take turns going first within each batch size, and each result is the fastest of
 `--rounds`.
-Prints microseconds per layer (its four matmuls: qkv, o, gate/up, down) and the ratio.
+Prints microseconds per layer (its four matmuls: qkv, o, gate/up, down) and the ratio; the
+prompt table also the kernel's rate in GOP/s (2 operations a weight and row).
+
+Another CPU's build: `SERVELM_KERNEL_VARIANT=avx512-nobf16` (say) builds every side as that
+variant. `--narrow` adds, at prompt sizes, the same build with its integer tiles kept 256 bits
+wide (`-DQX_WIDE=0`: the AVX2 code, as before AVX-512's wide tiles). `--cpu-time` times each
+side by the process's CPU time over the threads instead of the wall clock: on a shared machine
+it leaves out the time other processes take the cores (run it with OMP_WAIT_POLICY=passive, so
+that threads waiting at a barrier sleep rather than spin).
+
+    SERVELM_KERNEL_VARIANT=avx512-nobf16 OMP_WAIT_POLICY=passive \
+        .venv/bin/python benchmarks/quant_matmul.py --batch '' --prompt-rows 256 --narrow --cpu-time
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -32,25 +44,37 @@ from servelm.model.layers.linear import _pack, cpu_has_bf16_matmul, packed_linea
 LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 
 
+def wall_clock() -> float:
+    return time.perf_counter()
+
+
+def cpu_clock() -> float:
+    """The process's CPU seconds per thread: wall seconds where no one else runs."""
+    return time.process_time() / torch.get_num_threads()
+
+
+clock: Callable[[], float] = wall_clock
+
+
 def time_layer(kernel: QuantMatmul, x_by_cols, weights, copies: int) -> float:
     """Seconds for one pass of the layer's four matmuls, averaged over the copies."""
-    t0 = time.perf_counter()
+    t0 = clock()
     for i in range(copies):
         for (rows, cols), packed in zip(LAYER, weights, strict=True):
             kernel.q4(x_by_cols[cols], packed[i], rows)
-    return (time.perf_counter() - t0) / copies
+    return (clock() - t0) / copies
 
 
 def time_layer_plain(x_by_cols, weights, copies: int) -> float:
     """The same with the plain weights: oneDNN-packed bf16, or float32 (x converted)."""
-    t0 = time.perf_counter()
+    t0 = clock()
     for i in range(copies):
         for (_, cols), w in zip(LAYER, weights, strict=True):
             if cpu_has_bf16_matmul():
                 packed_linear(x_by_cols[cols], w[i])
             else:
                 F.linear(x_by_cols[cols].float(), w[i]).bfloat16()
-    return (time.perf_counter() - t0) / copies
+    return (clock() - t0) / copies
 
 
 def side_by_side(fns: dict, rounds: int) -> dict[str, float]:
@@ -68,7 +92,11 @@ def main() -> None:
     ap.add_argument("--copies", type=int, default=30, help="distinct copies of each weight")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--prompt-rows", default="33,108,256,1108", help="'' to skip that table")
+    ap.add_argument("--narrow", action="store_true", help="add the 256-bit integer tiles")
+    ap.add_argument("--cpu-time", action="store_true", help="CPU time per thread, not wall")
     args = ap.parse_args()
+    global clock
+    clock = cpu_clock if args.cpu_time else wall_clock
     builds = {
         "default": QuantMatmul.load(),
         "int8": QuantMatmul.load(("-mno-amx-tile", "-DQ4_X_BITS=8")),
@@ -76,6 +104,8 @@ def main() -> None:
     }
     if any(k is None for k in builds.values()):
         raise SystemExit("quant_matmul.c does not build here (no C compiler, or not x86)")
+    if args.narrow:
+        builds["narrow"] = QuantMatmul.load(("-mno-amx-tile", "-DQX_WIDE=0"))
     builds["vector"].sgemm_min_rows = 0  # the C vector path, x in float32, at every batch
     if builds["int8"].activation_bits != 8:  # no integer path in this build (no AVX2)
         del builds["int8"]
@@ -104,6 +134,7 @@ def main() -> None:
         fns = {
             name: lambda k=kernel, x=x_by_cols: time_layer(k, x, weights, args.copies)
             for name, kernel in builds.items()
+            if name != "narrow"
         }
         best = side_by_side(fns, args.rounds)
         here, vector = best["default"] * 1e6, best["vector"] * 1e6
@@ -114,7 +145,9 @@ def main() -> None:
     if not args.prompt_rows:
         return
     reference = "oneDNN bf16" if cpu_has_bf16_matmul() else "torch float32"
-    print(f"\n{'rows':>5} {'as run here':>14} {reference:>14} {'ratio':>6}")
+    narrow = f" {'256-bit tiles':>14} {'ratio':>6}" if args.narrow else ""
+    print(f"\n{'rows':>5} {'as run here':>14} {'GOP/s':>6} {reference:>14} {'ratio':>6}{narrow}")
+    ops_per_row = 2 * sum(rows * cols for rows, cols in LAYER)
     for batch in (int(b) for b in args.prompt_rows.split(",")):
         x_by_cols = {
             c: torch.randn(batch, c, generator=g).bfloat16() for c in {c for _, c in LAYER}
@@ -123,9 +156,17 @@ def main() -> None:
             "q4": lambda x=x_by_cols: time_layer(builds["default"], x, weights, args.copies),
             "plain": lambda x=x_by_cols: time_layer_plain(x, plain, args.copies),
         }
+        if args.narrow:
+            fns["narrow"] = lambda x=x_by_cols: time_layer(
+                builds["narrow"], x, weights, args.copies
+            )
         best = side_by_side(fns, args.rounds)
         q4, onednn = best["q4"] * 1e6, best["plain"] * 1e6
-        print(f"{batch:5d} {q4:11.0f} us {onednn:11.0f} us {onednn / q4:5.2f}x")
+        rate = ops_per_row * batch / best["q4"] / 1e9
+        line = f"{batch:5d} {q4:11.0f} us {rate:6.0f} {onednn:11.0f} us {onednn / q4:5.2f}x"
+        if args.narrow:
+            line += f" {best['narrow'] * 1e6:11.0f} us {best['narrow'] / best['q4']:5.2f}x"
+        print(line)
 
 
 if __name__ == "__main__":

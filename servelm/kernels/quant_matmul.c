@@ -38,7 +38,9 @@
  * neither, plain C does. With AVX2 alone, q4 by default quantizes x to int16 per group of 32
  * instead (batch invariant, from one row; else from qx_min_b) and multiplies in integers: exact
  * for every x within 2^7 of its group's largest, and faster (see gemm_int below; int8, faster
- * and lossy, is a choice). q8 does the same in int16.
+ * and lossy, is a choice). q8 does the same in int16. So does AVX-512 without BF16 (Skylake-X,
+ * Ice Lake), in 512-bit tiles with VNNI's vpdpwssd / vpdpbusd where the CPU has them: the
+ * same bits as the AVX2 build (int_tile_wide).
  */
 
 #include <stdlib.h>
@@ -692,9 +694,32 @@ INLINE float lanes_max8(__m256 x)
  * order, and y is put back.
  *
  * Faster than the float32 FMA path above and than torch's float32 matmul on a float32 copy, at
- * every row count from 2 (docs/performance.md). */
+ * every row count from 2 (docs/performance.md). With AVX-VNNI (a 256-bit vpdpwssd, on AVX2
+ * CPUs from Alder Lake) the int16 multiply-adds are one instruction. */
 #define QX_ROWS 4                 /* rows of x a tile takes */
 #define QX_CHUNK_BYTES (128 << 10) /* of quantized x per pass over W: it stays in L2 */
+
+/* With AVX-512 BW (Skylake-X, Ice Lake, without AVX-512 BF16 or AMX), the same sums in 512-bit
+ * tiles (int_tile_wide below): one vector holds a group's sums for all 16 rows of a block, and
+ * with AVX512-VNNI vpdpwssd (int16) and vpdpbusd (int8) multiply and add in one instruction.
+ * Integer sums are exact, so every lane ends with the very integers the 256-bit code sums, and
+ * the float32 steps after them are the same per lane: bit for bit the AVX2 build's y (tests:
+ * test_quant_matmul.py). -DQX_WIDE=0 keeps the 256-bit tiles (the benchmark's "before"). */
+#if defined(__AVX512BW__)
+#ifndef QX_WIDE
+#define QX_WIDE 1
+#endif
+#else
+#undef QX_WIDE
+#define QX_WIDE 0
+#endif
+#if QX_WIDE
+#ifndef QX_TILE_ROWS
+#define QX_TILE_ROWS 12 /* rows of x a wide tile takes (docs/performance.md, session 24) */
+#endif
+#else
+#define QX_TILE_ROWS QX_ROWS
+#endif
 
 /* 32 bfloat16 at x -> 4 x 8 float32 lanes; returns their largest |x| and stores their sum */
 INLINE float load_group(const uint16_t *x, __m256 v[4], float *sum)
@@ -717,8 +742,9 @@ INLINE float pow2f(int e) /* 2^e for e in -126..127 */
     return f;
 }
 
-/* x [B, K] bfloat16 -> a [B, K] int16 (bits 16) or pairs [B, K / 2] of int8 twice (bits 8);
- * d and xs [B, K / 32] */
+/* x [B, K] bfloat16 -> a [B, K] int16 (bits 16) or pairs [B, K / 2] of int8 twice (bits 8;
+ * QX_WIDE: quads [B, K / 4] of int8, a[2c], a[2c + 1], a[2c + 16], a[2c + 17] for chunk c of
+ * each group, the four inputs a row's byte pair in chunk c holds); d and xs [B, K / 32] */
 static void quantize_rows(const uint16_t *x, void *a, float *d, float *xs, int64_t B, int64_t K,
                           int bits)
 {
@@ -752,12 +778,36 @@ static void quantize_rows(const uint16_t *x, void *a, float *d, float *xs, int64
         const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
         const __m256i bytes =
             _mm256_permutevar8x32_epi32(_mm256_packs_epi16(words[0], words[1]), order);
+#if QX_WIDE /* byte pairs c and c + 8 (a[2c], a[2c + 1] and a[2c + 16], a[2c + 17]) together */
+        const __m128i first = _mm256_castsi256_si128(bytes);
+        const __m128i second = _mm256_extracti128_si256(bytes, 1);
+        int32_t *quads = (int32_t *)a + 8 * i;
+        _mm_storeu_si128((__m128i *)quads, _mm_unpacklo_epi16(first, second));
+        _mm_storeu_si128((__m128i *)(quads + 4), _mm_unpackhi_epi16(first, second));
+        continue;
+#endif
         const __m256i lo = _mm256_unpacklo_epi16(bytes, bytes);
         const __m256i hi = _mm256_unpackhi_epi16(bytes, bytes);
         int32_t *pairs = (int32_t *)a + 16 * i;
         _mm256_storeu_si256((__m256i *)pairs, _mm256_permute2x128_si256(lo, hi, 0x20));
         _mm256_storeu_si256((__m256i *)(pairs + 8), _mm256_permute2x128_si256(lo, hi, 0x31));
     }
+}
+
+/* sum + the sums of pairs of int16 products w0 * x0 and w1 * x1 in each 32-bit lane: with
+ * AVX-VNNI (Alder Lake and later, without AVX-512) two vpdpwssd, else vpmaddwd and adds. */
+INLINE __m256i dot_pairs16_8(__m256i sum, __m256i w0, __m256i x0, __m256i w1, __m256i x1)
+{
+#if defined(__AVXVNNI__)
+    return _mm256_dpwssd_avx_epi32(_mm256_dpwssd_avx_epi32(sum, w0, x0), w1, x1);
+#else
+    sum = _mm256_add_epi32(sum, _mm256_add_epi32(_mm256_madd_epi16(w0, x0),
+                                                 _mm256_madd_epi16(w1, x1)));
+    /* keeps GCC from reassociating the sums into a tree of all the products, held in memory:
+     * 2x slower */
+    __asm__("" : "+x"(sum));
+    return sum;
+#endif
 }
 
 /* Group g's sums of one block of W by R rows of quantized x (R a constant at each call site),
@@ -782,14 +832,8 @@ INLINE void dots_int16(const int16_t *a, const uint8_t *wg, int64_t K, int64_t g
             const int16_t *ar = a + r * K + g * GROUP + 2 * c;
             const __m256i x_lo = _mm256_set1_epi32(*(const int32_t *)ar);
             const __m256i x_hi = _mm256_set1_epi32(*(const int32_t *)(ar + 16));
-            for (int h = 0; h < 2; h++) {
-                sums[r][h] = _mm256_add_epi32(
-                    sums[r][h], _mm256_add_epi32(_mm256_madd_epi16(w[h], x_lo),
-                                                 _mm256_madd_epi16(w[2 + h], x_hi)));
-                /* keeps GCC from reassociating the sums into a tree of all the products, held
-                 * in memory: 2x slower */
-                __asm__("" : "+x"(sums[r][h]));
-            }
+            for (int h = 0; h < 2; h++)
+                sums[r][h] = dot_pairs16_8(sums[r][h], w[h], x_lo, w[2 + h], x_hi);
         }
     }
 }
@@ -845,15 +889,168 @@ INLINE void dots_q8_int16(const int16_t *a, const uint8_t *wg, int64_t K, int64_
             const int16_t *ar = a + r * K + g * GROUP + j;
             const __m256i x0 = _mm256_set1_epi32(*(const int32_t *)ar);
             const __m256i x1 = _mm256_set1_epi32(*(const int32_t *)(ar + 2));
-            for (int h = 0; h < 2; h++) {
-                sums[r][h] = _mm256_add_epi32(
-                    sums[r][h], _mm256_add_epi32(_mm256_madd_epi16(w[0][h], x0),
-                                                 _mm256_madd_epi16(w[1][h], x1)));
-                __asm__("" : "+x"(sums[r][h])); /* as in dots_int16 */
-            }
+            for (int h = 0; h < 2; h++)
+                sums[r][h] = dot_pairs16_8(sums[r][h], w[0][h], x0, w[1][h], x1);
         }
     }
 }
+
+#if QX_WIDE
+/* acc + the sums of pairs of int16 products w * x in each 32-bit lane: vpdpwssd with
+ * AVX512-VNNI (Ice Lake), vpmaddwd and an add without it (Skylake-X) */
+INLINE __m512i dot_pairs16(__m512i acc, __m512i w, __m512i x)
+{
+#if defined(__AVX512VNNI__)
+    return _mm512_dpwssd_epi32(acc, w, x);
+#else
+    acc = _mm512_add_epi32(acc, _mm512_madd_epi16(w, x));
+    __asm__("" : "+v"(acc)); /* as in dot_pairs16_8 */
+    return acc;
+#endif
+}
+
+/* acc + the sums of 4 products of unsigned bytes w and signed bytes x in each 32-bit lane:
+ * vpdpbusd, or vpmaddubsw (pairs of at most 2 * 15 * 127, far from int16's limit) and
+ * vpmaddwd by ones */
+INLINE __m512i dot_quads8(__m512i acc, __m512i w, __m512i x)
+{
+#if defined(__AVX512VNNI__)
+    return _mm512_dpbusd_epi32(acc, w, x);
+#else
+    const __m512i pairs = _mm512_maddubs_epi16(w, x);
+    acc = _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
+    __asm__("" : "+v"(acc));
+    return acc;
+#endif
+}
+
+/* Group g's sums of one q4 block by R rows of x in int16, as int32 lanes of rows 0-15 in
+ * sums[r]: a chunk's 32 bytes widen to 32 words, word 2i + e holding row i's quants of
+ * x[2c + e] (low nibble) and x[2c + 16 + e] (high), which a broadcast pair of a meets. Two
+ * chains a row up to 8 rows, so that few rows still keep both units busy; one from 9, which
+ * are enough chains, and two would not fit in the 32 registers. */
+INLINE void dots_int16_wide(const int16_t *a, const uint8_t *wg, int64_t K, int64_t g,
+                            const int R, __m512i sums[QX_TILE_ROWS])
+{
+    const __m512i nibble = _mm512_set1_epi16(15);
+    const int H = R <= 8 ? 1 : 0; /* the high nibbles' chain (one chain a row from 9 rows) */
+    __m512i part[QX_TILE_ROWS][2];
+    for (int r = 0; r < R; r++)
+        part[r][0] = part[r][1] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; c++) {
+        const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(wg + 32 * c)));
+        const __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_srli_epi16(v, 4);
+        for (int r = 0; r < R; r++) {
+            const int16_t *ar = a + r * K + g * GROUP + 2 * c;
+            part[r][0] = dot_pairs16(part[r][0], lo, _mm512_set1_epi32(*(const int32_t *)ar));
+            part[r][H] =
+                dot_pairs16(part[r][H], hi, _mm512_set1_epi32(*(const int32_t *)(ar + 16)));
+        }
+    }
+    for (int r = 0; r < R; r++)
+        sums[r] = H ? _mm512_add_epi32(part[r][0], part[r][1]) : part[r][0];
+}
+
+/* The same with a in int8 quads (quantize_rows), as int32 lanes of rows 0-3, 8-11, 4-7, 12-15
+ * (WIDE_INT8_ORDER): a chunk's low and high nibbles, interleaved in 16-bit pairs, put row i's
+ * four quants of x[2c], x[2c + 1], x[2c + 16], x[2c + 17] in one 32-bit lane. */
+#define WIDE_INT8_ORDER _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15)
+INLINE void dots_int8_wide(const int32_t *quads, const uint8_t *wg, int64_t K, int64_t g,
+                           const int R, __m512i sums[QX_TILE_ROWS])
+{
+    const __m256i nibble = _mm256_set1_epi8(15);
+    __m512i part[QX_TILE_ROWS][2];
+    for (int r = 0; r < R; r++)
+        part[r][0] = part[r][1] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; c++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(wg + 32 * c));
+        const __m256i lo = _mm256_and_si256(v, nibble);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+        const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_unpacklo_epi16(lo, hi)),
+                                             _mm256_unpackhi_epi16(lo, hi), 1);
+        const int k = R <= 8 ? c % 2 : 0; /* two chains a row up to 8 rows, as in dots_int16_wide */
+        for (int r = 0; r < R; r++)
+            part[r][k] =
+                dot_quads8(part[r][k], w, _mm512_set1_epi32(quads[r * (K / 4) + 8 * g + c]));
+    }
+    for (int r = 0; r < R; r++)
+        sums[r] = R <= 8 ? _mm512_add_epi32(part[r][0], part[r][1]) : part[r][0];
+}
+
+/* Group g's sums of one q8 block by R rows of x in int16, as int32 lanes of rows 0-15: inputs
+ * j and j + 1 (32 bytes together) widen to words and interleave, row by row, into the pairs
+ * that a_j, a_j+1 meet. */
+INLINE void dots_q8_int16_wide(const int16_t *a, const uint8_t *wg, int64_t K, int64_t g,
+                               const int R, __m512i sums[QX_TILE_ROWS])
+{
+    static const int16_t order[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i pairs = _mm512_loadu_si512(order);
+    __m512i part[QX_TILE_ROWS][2];
+    for (int r = 0; r < R; r++)
+        part[r][0] = part[r][1] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int j = 0; j < GROUP; j += 2) {
+        const __m512i w = _mm512_permutexvar_epi16(
+            pairs, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(wg + 16 * j))));
+        const int k = R <= 8 ? j / 2 % 2 : 0; /* as in dots_int16_wide */
+        for (int r = 0; r < R; r++) {
+            const int16_t *ar = a + r * K + g * GROUP + j;
+            part[r][k] = dot_pairs16(part[r][k], w, _mm512_set1_epi32(*(const int32_t *)ar));
+        }
+    }
+    for (int r = 0; r < R; r++)
+        sums[r] = R <= 8 ? _mm512_add_epi32(part[r][0], part[r][1]) : part[r][0];
+}
+
+/* int_tile (below) in 512-bit vectors: the same float32 steps per lane, so the same y */
+INLINE void int_tile_wide(const void *a, const float *d, const float *xs, const uint8_t *w,
+                          void *y, int64_t N, int64_t K, const int R, const int bits,
+                          const int q8)
+{
+    const int64_t G = K / GROUP;
+    const int ordered = q8 || bits == 16; /* sums in lanes of rows 0-15 (else as int8's) */
+    __m512 acc[QX_TILE_ROWS];
+    for (int r = 0; r < R; r++)
+        acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++, w += q8 ? Q8_BYTES : Q4_BYTES) {
+        __m512i sums[QX_TILE_ROWS];
+        if (q8)
+            dots_q8_int16_wide(a, w, K, g, R, sums);
+        else if (bits == 16)
+            dots_int16_wide(a, w, K, g, R, sums);
+        else
+            dots_int8_wide(a, w, K, g, R, sums);
+        const uint16_t *sl = (const uint16_t *)(w + (q8 ? LANES * GROUP : LANES * GROUP / 2));
+        __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sl)), low;
+        if (!q8)
+            low = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sl + LANES)));
+        if (!ordered) { /* into the sums' lanes */
+            scale = _mm512_permutexvar_ps(WIDE_INT8_ORDER, scale);
+            low = _mm512_permutexvar_ps(WIDE_INT8_ORDER, low);
+        }
+        for (int r = 0; r < R; r++) {
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]),
+                                     _mm512_mul_ps(scale, _mm512_set1_ps(d[r * G + g])), acc[r]);
+            if (!q8)
+                acc[r] = _mm512_fmadd_ps(low, _mm512_set1_ps(xs[r * G + g]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        if (q8) {
+            _mm512_storeu_ps((float *)y + r * N, acc[r]);
+            continue;
+        }
+        /* int8's lanes back into the rows' order (the order is its own inverse) */
+        const __m512 v = ordered ? acc[r] : _mm512_permutexvar_ps(WIDE_INT8_ORDER, acc[r]);
+        store_bf16_8((uint16_t *)y + r * N, _mm512_castps512_ps256(v));
+        store_bf16_8((uint16_t *)y + r * N + 8,
+                     _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    }
+}
+#endif
 
 /* One block of 16 rows of W (q4, or q8 where `q8`) against R rows of quantized x -> y [R, 16 of
  * N], bfloat16 (q4) or float32 (q8) */
@@ -904,11 +1101,23 @@ INLINE void int_tile(const void *a, const float *d, const float *xs, const uint8
     }
 }
 
-/* int_tile for `rows` (1 to QX_ROWS) rows, R a constant in each call */
+/* int_tile (int_tile_wide) for `rows` (1 to QX_TILE_ROWS) rows, R a constant in each call */
 INLINE void int_tiles(const void *a, const float *d, const float *xs, const uint8_t *w,
                       void *y, int64_t N, int64_t K, int64_t rows, const int bits,
                       const int q8)
 {
+#if QX_WIDE
+#define WIDE_CASE(R)                                                                           \
+    case R:                                                                                    \
+        if (R <= QX_TILE_ROWS)                                                                 \
+            int_tile_wide(a, d, xs, w, y, N, K, R <= QX_TILE_ROWS ? R : 1, bits, q8);          \
+        return;
+    switch (rows) {
+        WIDE_CASE(1) WIDE_CASE(2) WIDE_CASE(3) WIDE_CASE(4) WIDE_CASE(5) WIDE_CASE(6)
+        WIDE_CASE(7) WIDE_CASE(8) WIDE_CASE(9) WIDE_CASE(10) WIDE_CASE(11) WIDE_CASE(12)
+    }
+    return;
+#endif
     switch (rows) {
     case 1: int_tile(a, d, xs, w, y, N, K, 1, bits, q8); break;
     case 2: int_tile(a, d, xs, w, y, N, K, 2, bits, q8); break;
@@ -923,23 +1132,24 @@ INLINE void int_tiles(const void *a, const float *d, const float *xs, const uint
 static void gemm_int(const uint16_t *x, const uint8_t *w, void *y, int64_t B, int64_t N,
                      int64_t K, int bits, int q8)
 {
-    const int64_t G = K / GROUP, row_bytes = 2 * K; /* int16, or int8 pairs twice */
+    /* int16, or int8 pairs twice (int8 quads: QX_WIDE) */
+    const int64_t G = K / GROUP, row_bytes = QX_WIDE && bits == 8 && !q8 ? K : 2 * K;
     const int64_t block_bytes = G * (q8 ? Q8_BYTES : Q4_BYTES);
     char *scratch = malloc((size_t)(B * (row_bytes + 2 * G * (int64_t)sizeof(float))));
     float *d = (float *)(scratch + B * row_bytes), *xs = d + B * G;
     quantize_rows(x, scratch, d, xs, B, K, bits);
-    int64_t chunk = QX_CHUNK_BYTES / row_bytes / QX_ROWS * QX_ROWS;
-    chunk = chunk < QX_ROWS ? QX_ROWS : chunk;
+    int64_t chunk = QX_CHUNK_BYTES / row_bytes / QX_TILE_ROWS * QX_TILE_ROWS;
+    chunk = chunk < QX_TILE_ROWS ? QX_TILE_ROWS : chunk;
 #pragma omp parallel
     for (int64_t b0 = 0; b0 < B; b0 += chunk) {
         const int64_t b1 = b0 + chunk < B ? b0 + chunk : B;
 #pragma omp for schedule(static) nowait
         for (int64_t n = 0; n < N / LANES; n++)
-            for (int64_t b = b0; b < b1; b += QX_ROWS) {
+            for (int64_t b = b0; b < b1; b += QX_TILE_ROWS) {
                 const void *a = scratch + b * row_bytes;
                 const uint8_t *wn = w + n * block_bytes;
                 void *yb = (char *)y + (b * N + n * LANES) * (q8 ? 4 : 2);
-                const int64_t rows = b1 - b < QX_ROWS ? b1 - b : QX_ROWS;
+                const int64_t rows = b1 - b < QX_TILE_ROWS ? b1 - b : QX_TILE_ROWS;
                 if (q8) /* bits and q8 constants in each call, for the tile's inlining */
                     int_tiles(a, d + b * G, xs + b * G, wn, yb, N, K, rows, 16, 1);
                 else if (bits == 16)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from servelm.kernels import variants
 from servelm.kernels.build import compiler
 from servelm.kernels.paths import (
     ALL_ROWS,
@@ -172,12 +173,13 @@ def test_the_builds_with_an_avx2_q4_path_take_x_in_integers(kernel, variant):
 
 @in_integers
 @pytest.mark.parametrize("kind", ["int16", "int8"])
-@pytest.mark.parametrize("batch", [2, 3, 4, 5, 9, 33, 300])
+@pytest.mark.parametrize("batch", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 33, 300])
 @pytest.mark.parametrize("shape", [(48, 96), (960, 576), (576, 1536)])
 def test_x_in_integers_gives_their_exact_products(kernel, activations, kind, batch, shape):
-    """Every tile shape (1-4 rows: 5, 9 and 33 end in a tile of 1; 300 rows of K = 1,536 take
-    two chunks of x), against the exact sums of the same integers, rounded once; int16 against
-    the exact product too. (One row alone stays in float32, as the tests above check.)"""
+    """Every tile shape (1-4 rows with AVX2, 1-12 in AVX-512's wide tiles; 33 ends in a tile of
+    1 or 9; 300 rows take more than one chunk of x), against the exact sums of the same
+    integers, rounded once; int16 against the exact product too. (Batch invariant, one row
+    takes integers too; by row count it stays in float32, as the test below checks.)"""
     activations(kind)
     rows, cols = shape
     q, scale, low, w = q4_weight(rows, cols, seed=batch)
@@ -215,6 +217,85 @@ def test_the_largest_sums_do_not_overflow(kernel, activations, kind, sign):
     got = kernel.q4(x, QuantMatmul.pack_q4(q, scale, low), 32)
     exact = sign * 128 * 15 * 0.25 * 255 / 128  # 956.25, rounded once: 956
     assert torch.equal(got, torch.full((2, 32), exact).bfloat16())
+
+
+def integer_path_results(kernel: QuantMatmul) -> list[torch.Tensor]:
+    """q4 with x as int16 and as int8, and q8, at every tile shape of both widths' tiles and in
+    more than one chunk of x, on the default model's shapes."""
+    out = []
+    g = torch.Generator().manual_seed(12)
+    batches = [1, 2, 3, 4, 5, 8, 11, 12, 13, 25, 256]
+    for kind in ("int16", "int8"):
+        kernel.use_activations(kind)
+        for rows, cols in [(48, 96), (960, 576), (576, 1536)]:
+            q, scale, low, _ = q4_weight(rows, cols, seed=rows)
+            packed = QuantMatmul.pack_q4(q, scale, low)
+            for batch in batches:  # magnitudes 2^-10 .. 2^4, as the model's activations spread
+                x = torch.randn(batch, cols, generator=g) * 2.0 ** torch.randint(
+                    -10, 5, (1,), generator=g
+                )
+                out.append(kernel.q4(x.bfloat16(), packed, rows))
+    kernel.use_activations("int16")
+    q, scale, _ = q8_weight(4096, 576, seed=4)
+    packed = QuantMatmul.pack_q8(q, scale)
+    for batch in batches:
+        out.append(kernel.q8(torch.randn(batch, 576, generator=g).bfloat16(), packed, 4096))
+    return out
+
+
+def assert_same_bits(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    differ = [i for i, (a, b) in enumerate(zip(got, want, strict=True)) if not torch.equal(a, b)]
+    assert differ == [], f"{len(differ)} of {len(want)} products differ"
+
+
+@pytest.fixture(scope="module")
+def avx2() -> QuantMatmul:
+    """The AVX2 build: the integer path every other build's must match bit for bit."""
+    if variants.unavailable(variants.get("avx2")) is not None:
+        pytest.skip("this host cannot run the avx2 build")
+    loaded = QuantMatmul.load(extra_flags=flags("avx2"))
+    assert loaded is not None
+    return loaded
+
+
+@pytest.mark.parametrize("variant", params(INTEGERS - {"avx2"}), indirect=True)
+def test_avx512s_wide_integer_tiles_give_the_avx2_builds_bits(kernel, avx2, activations):
+    """AVX-512 (here with AVX512-VNNI's vpdpwssd and vpdpbusd) sums the same integers in 512-bit
+    tiles of up to 12 rows and combines them in the same float32 steps: the same bits as the
+    AVX2 build, so greedy output does not change between these CPUs."""
+    assert_same_bits(integer_path_results(kernel), integer_path_results(avx2))
+
+
+def other_integer_builds() -> list:
+    """Builds of the integer path's other instruction choices, which no variant makes: AVX-512
+    BW without VNNI (Skylake-X: vpmaddwd and vpmaddubsw in 512 bits) and AVX2 with AVX-VNNI
+    (Alder Lake: 256-bit vpdpwssd)."""
+    builds = {
+        "avx512bw-novnni": (flags("avx512-nobf16") + ("-mno-avx512vnni",), "avx512bw", None),
+        "avx2-avxvnni": (
+            tuple(f for f in flags("avx2") if f != "-mno-avxvnni"),
+            "avx_vnni",
+            "__AVXVNNI__",
+        ),
+    }
+    out = []
+    for name, (extra, cpu_flag, macro) in builds.items():
+        reason = None
+        if cpu_flag not in variants.cpu_flags():
+            reason = f"this CPU lacks {cpu_flag}"
+        elif macro and macro not in variants.macros(extra):
+            reason = f"the C compiler does not define {macro} here"
+        marks = [pytest.mark.skip(reason=reason)] if reason else []
+        out.append(pytest.param(extra, id=name, marks=marks))
+    return out
+
+
+@pytest.mark.slow  # two more builds of the kernel, about a minute each
+@pytest.mark.parametrize("extra", other_integer_builds())
+def test_other_integer_instructions_give_the_avx2_builds_bits(extra, avx2):
+    other = QuantMatmul.load(extra_flags=extra)
+    assert other is not None
+    assert_same_bits(integer_path_results(other), integer_path_results(avx2))
 
 
 def test_activations_are_one_of_three(kernel):

@@ -1,0 +1,55 @@
+"""Time whole prompt steps of the default model in-process, and what its matmuls reach.
+
+    SERVELM_KERNEL_VARIANT=avx512-nobf16 .venv/bin/python benchmarks/prompt_step.py --tokens 256
+
+Runs `--repeat` prompts of `--tokens` tokens, one at a time with one token generated (the
+prompt step; prefix caching off, so every prompt is computed whole), and prints the fastest
+and the median milliseconds and the rate of its int4 projections in GOP/s if they took the
+whole step (2 operations a weight and token: a floor on what the matmuls themselves reach).
+Where the time goes inside the step's one C call, `perf` (software clock, user space, no
+root needed) shows by function:
+
+    perf record -e cpu-clock -o /tmp/p.data -- .venv/bin/python benchmarks/prompt_step.py
+    perf report -i /tmp/p.data --sort dso,sym | head -40
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from servelm import LLM, SamplingParams
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--repeat", type=int, default=20)
+    args = ap.parse_args()
+    llm = LLM(args.model, enable_prefix_caching=False)
+    runner = llm.engine.executor
+    params = SamplingParams(temperature=0, max_tokens=1)
+    times = []
+    for i in range(args.repeat + 1):  # the first warms up
+        prompt = [100 + (i * 31 + j) % 40000 for j in range(args.tokens)]
+        t0 = time.perf_counter()
+        llm.generate([prompt], params)
+        times.append(time.perf_counter() - t0)
+    times = times[1:]
+    from servelm.model.layers.linear import Linear
+
+    int4 = sum(
+        m.in_features * m.out_features
+        for m in runner.model.modules()
+        if isinstance(m, Linear) and getattr(m, "int4", None) is not None
+    )
+    rate = 2 * int4 * args.tokens / min(times) / 1e9
+    print(f"{args.tokens}-token prompt step ({runner.int4_layers} int4 projections): "
+          f"fastest {min(times) * 1e3:.1f} ms, median {statistics.median(times) * 1e3:.1f} ms "
+          f"of {args.repeat}; int4 matmuls over the whole fastest step: {rate:.0f} GOP/s")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
