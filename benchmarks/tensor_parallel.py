@@ -79,7 +79,7 @@ def measure(model_dir: Path, tp: int, tokens: int) -> dict:
         # one process reads every tensor whole: the checkpoint's size
         size = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
         ranks = [{"rank": 0, "bytes_read": size, "rss_bytes": rss_bytes()}]
-    del llm
+    llm = None  # (its ranks stop with it)
     return {
         "tp": tp,
         "prompt_step_ms": one * 1000,
@@ -114,7 +114,9 @@ def main() -> None:
                 )
     if args.json:
         args.json.write_text(
-            json.dumps({"cpu": cpu_name(), "dims": DIMS, "layers": args.layers, "runs": rows}, indent=1)
+            json.dumps(
+                {"cpu": cpu_name(), "dims": DIMS, "layers": args.layers, "runs": rows}, indent=1
+            )
         )
 
 

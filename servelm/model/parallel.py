@@ -199,9 +199,7 @@ def _is_row_bias(name: str) -> bool:
     return bool(match and match.group(2) in _ROW and match.group(3) == "bias")
 
 
-def vocab_parallel_embedding(
-    ids: torch.Tensor, weight: torch.Tensor, tp: TPGroup
-) -> torch.Tensor:
+def vocab_parallel_embedding(ids: torch.Tensor, weight: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """Rows of `ids` from a table holding rank `tp.rank`'s share of the vocabulary: zero for
     ids another rank holds, then summed across ranks (one rank contributes each row)."""
     rows = weight.shape[0]

@@ -81,8 +81,10 @@ def rss_bytes() -> int:
 
 
 def _backend(device: str) -> str:
-    cuda = device == "cuda" or device.startswith("cuda:") or (
-        device == "auto" and torch.cuda.is_available()
+    cuda = (
+        device == "cuda"
+        or device.startswith("cuda:")
+        or (device == "auto" and torch.cuda.is_available())
     )
     return "nccl" if cuda else "gloo"
 

@@ -55,9 +55,7 @@ def _tokens(model_dir: Path, prompts, **kwargs) -> list[tuple[list[int], list[fl
     ],
 )
 def test_tp2_equals_tp1_and_transformers(tmp_path, config, kv_heads, extra):
-    model_dir = make_tiny_model(
-        tmp_path, config, num_key_value_heads=kv_heads, **SHAPE, **extra
-    )
+    model_dir = make_tiny_model(tmp_path, config, num_key_value_heads=kv_heads, **SHAPE, **extra)
     prompts = prompts_sharing_prefix(384)
     one = _tokens(model_dir, prompts)
     two = _tokens(model_dir, prompts, tensor_parallel_size=2)
@@ -89,8 +87,8 @@ def test_each_rank_reads_and_holds_what_the_plan_says(tmp_path):
     assert tp.bytes_per_block // 16 == shape.kv_bytes_per_token("bf16", 2) * 2
 
     # A step's collectives: two per layer, the embedding's and the logits' (the plan's count).
-    from servelm.planner.plan import plan
     from servelm.planner.catalog import get_gpu
+    from servelm.planner.plan import plan
 
     expected = plan(shape, get_gpu("h100"), tp=2).collectives_per_step
     assert expected == 2 * shape.num_layers + 2
@@ -162,14 +160,14 @@ def _rank_processes(parent: int) -> list[int]:
 def test_serve_answers_and_a_dead_rank_takes_the_server_down(tiny_model_dir):
     from openai import OpenAI
 
-    srv = LiveServer(
-        tiny_model_dir, "--tensor-parallel-size", "2", "--engine-death-grace", "3"
-    )
+    srv = LiveServer(tiny_model_dir, "--tensor-parallel-size", "2", "--engine-death-grace", "3")
     try:
         assert "tensor parallel: 2 ranks" in srv.log()
         client = OpenAI(base_url=srv.base_url, api_key="none")
         done = client.completions.create(
-            model=client.models.list().data[0].id, prompt="def add(a, b):", max_tokens=8,
+            model=client.models.list().data[0].id,
+            prompt="def add(a, b):",
+            max_tokens=8,
             temperature=0,
         )
         assert done.choices[0].finish_reason == "length" and done.usage.completion_tokens == 8
