@@ -43,7 +43,11 @@ INLINE float half_at(const uint8_t *p)
 {
     uint16_t h;
     memcpy(&h, p, sizeof h);
+#ifdef __F16C__
+    return _cvtsh_ss(h); /* exact, as half_to_float */
+#else
     return half_to_float(h);
+#endif
 }
 
 /* Q4_K / Q5_K's 12 bytes of 6-bit scales and mins -> sc[8], m[8] (llama.cpp's get_scale_min_k4) */
@@ -118,24 +122,38 @@ INLINE void kq_prep(const int type, const uint8_t *blk, float *p)
         p[0] = half_at(blk);
         return;
     }
+    uint8_t b[16]; /* the 16 integers: Q6_K's int8 scales, or Q4_K's m0-7 then sc0-7 */
+    float d, lo; /* what b[8..15] and b[0..7] are multiplied by */
     if (type == GGUF_Q6_K) {
-        const float d = half_at(blk + 208);
-        for (int i = 0; i < 16; i++)
-            p[i] = d * (float)(int8_t)blk[192 + i];
-        return;
+        memcpy(b, blk + 192, 16);
+        d = lo = half_at(blk + 208);
+    } else {
+        uint32_t u[3]; /* llama.cpp's get_scale_min_k4 on 32-bit words */
+        memcpy(u, blk + 4, sizeof u);
+        const uint32_t words[4] = {
+            u[1] & 0x3f3f3f3fu,                                                  /* m0-3 */
+            ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4),  /* m4-7 */
+            u[0] & 0x3f3f3f3fu,                                                  /* sc0-3 */
+            (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4)};         /* sc4-7 */
+        memcpy(b, words, sizeof b);
+        d = half_at(blk);
+        lo = half_at(blk + 2);
     }
-    uint32_t u[3]; /* llama.cpp's get_scale_min_k4 on 32-bit words: bytes m0-7, then sc0-7 */
-    memcpy(u, blk + 4, sizeof u);
-    const uint32_t m_lo = u[1] & 0x3f3f3f3fu;
-    const uint32_t m_hi = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
-    const uint32_t sc_lo = u[0] & 0x3f3f3f3fu;
-    const uint32_t sc_hi = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
-    const uint32_t words[4] = {m_lo, m_hi, sc_lo, sc_hi};
-    uint8_t b[16];
-    memcpy(b, words, sizeof b);
-    const float d = half_at(blk), dmin = half_at(blk + 2);
+#if defined(__AVX512F__)
+    const __m128i v = _mm_loadu_si128((const __m128i *)b);
+    const __m512i i = type == GGUF_Q6_K ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v);
+    const __m512 f = _mm512_insertf32x8(_mm512_set1_ps(lo), _mm256_set1_ps(d), 1);
+    _mm512_storeu_ps(p, _mm512_mul_ps(_mm512_cvtepi32_ps(i), f));
+#elif defined(__AVX2__)
+    for (int h = 0; h < 2; h++) {
+        const __m128i v = _mm_loadl_epi64((const __m128i *)(b + 8 * h));
+        const __m256i i = type == GGUF_Q6_K ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v);
+        _mm256_storeu_ps(p + 8 * h, _mm256_mul_ps(_mm256_cvtepi32_ps(i), _mm256_set1_ps(h ? d : lo)));
+    }
+#else
     for (int i = 0; i < 16; i++)
-        p[i] = (i < 8 ? dmin : d) * (float)b[i];
+        p[i] = (i < 8 ? lo : d) * (float)(type == GGUF_Q6_K ? (int)(int8_t)b[i] : (int)b[i]);
+#endif
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__F16C__)
@@ -363,7 +381,7 @@ INLINE void kq_fused(const int type, const int R, const int B, const uint16_t *x
                      int64_t block_bytes, int64_t qk, void *y, int64_t n0, int64_t N,
                      int64_t K, int64_t f32, kq_tables t)
 {
-    const int chunks = (int)(qk / 32), mins = type == GGUF_Q4_K || type == GGUF_Q5_K;
+    const int chunks = type == GGUF_Q8_0 ? 1 : 8, mins = type == GGUF_Q4_K || type == GGUF_Q5_K;
     const int64_t blocks = K / qk, G = K / 32;
     kq_acc acc[KQ_FUSED_MAX_B][KQ_FUSED_ROWS];
     for (int b = 0; b < B; b++)
@@ -376,6 +394,7 @@ INLINE void kq_fused(const int type, const int R, const int B, const uint16_t *x
             blk[r] = w + (n0 + r) * row_bytes + k * block_bytes;
             kq_prep(type, blk[r], p[r]);
         }
+#pragma GCC unroll 8
         for (int c = 0; c < chunks; c++) {
             kq_x xv[KQ_FUSED_MAX_B];
             for (int b = 0; b < B; b++)
@@ -404,7 +423,7 @@ INLINE void kq_tiled(const int type, const uint16_t *x, const float *xf, const f
                      void *y, int64_t n0, int64_t rows, int64_t B, int64_t N, int64_t K,
                      int64_t f32, kq_tables t, kq_chunk *buf, kq_acc *acc)
 {
-    const int chunks = (int)(qk / 32), mins = type == GGUF_Q4_K || type == GGUF_Q5_K;
+    const int chunks = type == GGUF_Q8_0 ? 1 : 8, mins = type == GGUF_Q4_K || type == GGUF_Q5_K;
     const int64_t blocks = K / qk, G = K / 32;
     float p[KQ_TILE_ROWS][16];
     for (int64_t i = 0; i < B * KQ_TILE_ROWS; i++)
@@ -413,6 +432,7 @@ INLINE void kq_tiled(const int type, const uint16_t *x, const float *xf, const f
         for (int64_t r = 0; r < rows; r++) {
             const uint8_t *blk = w + (n0 + r) * row_bytes + k * block_bytes;
             kq_prep(type, blk, p[r]);
+#pragma GCC unroll 8
             for (int c = 0; c < chunks; c++)
                 buf[r * 8 + c] = kq_unpack(type, blk, p[r], c, t);
         }
@@ -422,6 +442,7 @@ INLINE void kq_tiled(const int type, const uint16_t *x, const float *xf, const f
                 kq_acc s[KQ_TILE_ROWS];
                 for (int r = 0; r < KQ_TILE_ROWS; r++)
                     s[r] = a[r];
+#pragma GCC unroll 8
                 for (int c = 0; c < chunks; c++) {
                     const kq_x xv = kq_load_x(x, xf, b * K + k * qk + 32 * c);
                     for (int r = 0; r < KQ_TILE_ROWS; r++)
@@ -447,50 +468,73 @@ INLINE void kq_tiled(const int type, const uint16_t *x, const float *xf, const f
             kq_store(y, b * N + n0 + r, kq_sum(acc[b * KQ_TILE_ROWS + r]), f32);
 }
 
-/* fused passes for B = 1..KQ_FUSED_MAX_B rows of x (each B a constant in its call) */
-INLINE void kq_fused_b(const int type, const int R, int64_t B, const uint16_t *x,
-                       const float *xf, const float *xs, const uint8_t *w, int64_t row_bytes,
-                       int64_t block_bytes, int64_t qk, void *y, int64_t n0, int64_t N,
-                       int64_t K, int64_t f32, kq_tables t)
-{
-#define KQ_FUSED_CASE(NB)                                                                     \
-    case NB:                                                                                  \
-        kq_fused(type, R, NB, x, xf, xs, w, row_bytes, block_bytes, qk, y, n0, N, K, f32, t); \
-        break;
-    switch (B) {
-        KQ_FUSED_CASE(1)
-#if KQ_FUSED_MAX_B >= 2
-        KQ_FUSED_CASE(2)
-#endif
-#if KQ_FUSED_MAX_B >= 3
-        KQ_FUSED_CASE(3)
-#endif
+/* The fused pass of rows n0.. (R of them) for B = 1..KQ_FUSED_MAX_B rows of x, and the tiled
+ * pass, with the type, R and B constants in each call (for the inlining: the loops over them
+ * unroll and the sums stay in registers) */
+#define KQ_ARGS x, xf, xs, w, row_bytes, block_bytes, qk, y, n0, N, K, f32, t
+#define KQ_FUSED_CASE(TYPE, R, NB) \
+    case NB: kq_fused(TYPE, R, NB, KQ_ARGS); break;
 #if KQ_FUSED_MAX_B >= 4
-        KQ_FUSED_CASE(4)
+#define KQ_FUSED_CASES(TYPE, R) KQ_FUSED_CASE(TYPE, R, 1) KQ_FUSED_CASE(TYPE, R, 2) \
+    KQ_FUSED_CASE(TYPE, R, 3) KQ_FUSED_CASE(TYPE, R, 4)
+#elif KQ_FUSED_MAX_B >= 2
+#define KQ_FUSED_CASES(TYPE, R) KQ_FUSED_CASE(TYPE, R, 1) KQ_FUSED_CASE(TYPE, R, 2)
+#else
+#define KQ_FUSED_CASES(TYPE, R) KQ_FUSED_CASE(TYPE, R, 1)
 #endif
-    default: break;
+#define KQ_FUSED_TYPE(TYPE)                                      \
+    static void kq_fused_##TYPE(int R, int64_t B, const uint16_t *x, const float *xf,       \
+                                const float *xs, const uint8_t *w, int64_t row_bytes,       \
+                                int64_t block_bytes, int64_t qk, void *y, int64_t n0,       \
+                                int64_t N, int64_t K, int64_t f32, kq_tables t)             \
+    {                                                                                        \
+        if (R == KQ_FUSED_ROWS)                                                              \
+            switch (B) { KQ_FUSED_CASES(TYPE, KQ_FUSED_ROWS) default: break; }               \
+        else                                                                                 \
+            switch (B) { KQ_FUSED_CASES(TYPE, 1) default: break; }                           \
+    }                                                                                        \
+    static void kq_tiled_##TYPE(const uint16_t *x, const float *xf, const float *xs,        \
+                                const uint8_t *w, int64_t row_bytes, int64_t block_bytes,   \
+                                int64_t qk, void *y, int64_t n0, int64_t rows, int64_t B,   \
+                                int64_t N, int64_t K, int64_t f32, kq_tables t,             \
+                                kq_chunk *buf, kq_acc *acc)                                 \
+    {                                                                                        \
+        kq_tiled(TYPE, x, xf, xs, w, row_bytes, block_bytes, qk, y, n0, rows, B, N, K, f32, \
+                 t, buf, acc);                                                               \
     }
-#undef KQ_FUSED_CASE
-}
+KQ_FUSED_TYPE(GGUF_Q8_0)
+KQ_FUSED_TYPE(GGUF_Q4_K)
+KQ_FUSED_TYPE(GGUF_Q5_K)
+KQ_FUSED_TYPE(GGUF_Q6_K)
 
-INLINE void kq_matmul(const int type, const uint16_t *x, const float *xf, const float *xs,
+typedef void (*kq_fused_fn)(int, int64_t, const uint16_t *, const float *, const float *,
+                            const uint8_t *, int64_t, int64_t, int64_t, void *, int64_t, int64_t,
+                            int64_t, int64_t, kq_tables);
+typedef void (*kq_tiled_fn)(const uint16_t *, const float *, const float *, const uint8_t *,
+                            int64_t, int64_t, int64_t, void *, int64_t, int64_t, int64_t,
+                            int64_t, int64_t, int64_t, kq_tables, kq_chunk *, kq_acc *);
+
+static void kq_matmul(int64_t type, const uint16_t *x, const float *xf, const float *xs,
                       const uint8_t *w, void *y, int64_t B, int64_t N, int64_t K, int64_t f32)
 {
     int64_t block_bytes;
     const int64_t qk = gguf_block_size(type, &block_bytes);
     const int64_t row_bytes = K / qk * block_bytes;
     const kq_tables t = kq_make_tables();
+    const kq_fused_fn fused = type == GGUF_Q8_0   ? kq_fused_GGUF_Q8_0
+                              : type == GGUF_Q4_K ? kq_fused_GGUF_Q4_K
+                              : type == GGUF_Q5_K ? kq_fused_GGUF_Q5_K
+                                                  : kq_fused_GGUF_Q6_K;
+    const kq_tiled_fn tiled = type == GGUF_Q8_0   ? kq_tiled_GGUF_Q8_0
+                              : type == GGUF_Q4_K ? kq_tiled_GGUF_Q4_K
+                              : type == GGUF_Q5_K ? kq_tiled_GGUF_Q5_K
+                                                  : kq_tiled_GGUF_Q6_K;
     if (B <= KQ_FUSED_MAX_B) {
         const int64_t whole = N / KQ_FUSED_ROWS, full = whole * KQ_FUSED_ROWS;
 #pragma omp parallel for schedule(static)
         for (int64_t i = 0; i < whole + (N - full); i++) { /* tiles, then single rows */
             const int64_t n0 = i < whole ? i * KQ_FUSED_ROWS : full + (i - whole);
-            if (n0 < full)
-                kq_fused_b(type, KQ_FUSED_ROWS, B, x, xf, xs, w, row_bytes, block_bytes, qk, y,
-                           n0, N, K, f32, t);
-            else
-                kq_fused_b(type, 1, B, x, xf, xs, w, row_bytes, block_bytes, qk, y, n0, N, K,
-                           f32, t);
+            fused(n0 < full ? KQ_FUSED_ROWS : 1, B, KQ_ARGS);
         }
         return;
     }
@@ -500,9 +544,10 @@ INLINE void kq_matmul(const int type, const uint16_t *x, const float *xf, const 
         kq_acc *acc = aligned_alloc(64, (size_t)(B * KQ_TILE_ROWS) * sizeof(kq_acc));
 #pragma omp for schedule(static)
         for (int64_t tile = 0; tile < (N + KQ_TILE_ROWS - 1) / KQ_TILE_ROWS; tile++) {
-            const int64_t n0 = tile * KQ_TILE_ROWS, rows = N - n0 < KQ_TILE_ROWS ? N - n0 : KQ_TILE_ROWS;
-            kq_tiled(type, x, xf, xs, w, row_bytes, block_bytes, qk, y, n0, rows, B, N, K, f32,
-                     t, buf, acc);
+            const int64_t n0 = tile * KQ_TILE_ROWS;
+            const int64_t rows = N - n0 < KQ_TILE_ROWS ? N - n0 : KQ_TILE_ROWS;
+            tiled(x, xf, xs, w, row_bytes, block_bytes, qk, y, n0, rows, B, N, K, f32, t, buf,
+                  acc);
         }
         free(acc);
         free(buf);
@@ -598,12 +643,7 @@ void gguf_matmul_bf16(int64_t type, const uint16_t *x, const uint8_t *w, void *y
         for (int64_t i = 0; i < B * K; i++)
             xf[i] = bf16_to_float(x[i]);
     }
-    switch (type) { /* the type a constant in each, for the inlining */
-    case GGUF_Q8_0: kq_matmul(GGUF_Q8_0, x, xf, xs, w, y, B, N, K, f32); break;
-    case GGUF_Q4_K: kq_matmul(GGUF_Q4_K, x, xf, xs, w, y, B, N, K, f32); break;
-    case GGUF_Q5_K: kq_matmul(GGUF_Q5_K, x, xf, xs, w, y, B, N, K, f32); break;
-    default: kq_matmul(GGUF_Q6_K, x, xf, xs, w, y, B, N, K, f32); break;
-    }
+    kq_matmul(type, x, xf, xs, w, y, B, N, K, f32);
     free(xf);
     free(xs);
 #else

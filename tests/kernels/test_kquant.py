@@ -83,6 +83,36 @@ def test_rows_alike_whatever_their_number(kernel, qtype, invariant):
         kernel.batch_invariant(True)
 
 
+# Shapes the SIMD paths split unevenly: N not a multiple of the rows a pass takes at once (4 or
+# 2 decoding, 8 or 4 in a prompt's tiles), K of one block or an odd number of them (Q8_0: 32),
+# and row counts on both sides of the fused (decode) / tiled (prompt) cut (4 with AVX-512 BF16,
+# 1 with AVX2).
+SHAPES = [(1, 1), (3, 3), (13, 1), (37, 4)]  # (N, blocks along K)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("n, blocks", SHAPES, ids=lambda v: str(v))
+def test_uneven_shapes_any_rows(kernel, qtype, n, blocks):
+    rng = np.random.default_rng(11)
+    K = blocks * (32 if qtype == Q.Q8_0 else 256)
+    raw = random_blocks(qtype, n, K, rng)
+    w = weights(raw, qtype)
+    blk = torch.from_numpy(raw)
+    x = torch.randn(19, K, generator=torch.Generator().manual_seed(n)).bfloat16()
+    alone = torch.cat([kernel.gguf(x[i : i + 1], blk, int(qtype), n) for i in range(19)])
+    check_close(alone, x, w)
+    logits = torch.cat(
+        [kernel.gguf(x[i : i + 1], blk, int(qtype), n, torch.float32) for i in range(19)]
+    )
+    ref = x.double() @ w.double().T  # float32 out: the float32 sum, not rounded to bfloat16
+    size = x.double().abs() @ w.double().abs().T
+    assert ((logits.double() - ref).abs() <= size * K * 2.0**-24).all()
+    for rows in (2, 3, 4, 5, 9, 19):
+        assert torch.equal(kernel.gguf(x[:rows], blk, int(qtype), n), alone[:rows]), rows
+        got = kernel.gguf(x[:rows], blk, int(qtype), n, torch.float32)
+        assert torch.equal(got, logits[:rows]), rows
+
+
 def test_shape_mismatch_is_an_error(kernel):
     raw = torch.from_numpy(random_blocks(Q.Q4_K, 16, 512, np.random.default_rng(0)))
     with pytest.raises(ValueError, match="Q4_K"):
