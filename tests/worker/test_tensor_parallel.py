@@ -137,7 +137,7 @@ def test_a_model_that_does_not_split_is_refused_by_name(tmp_path):
     phi = make_tiny_model(tmp_path, "Phi3Config", num_key_value_heads=2, **SHAPE)
     with pytest.raises(ModelConfigError, match="Phi3ForCausalLM.s tensor .*_proj.weight is not"):
         LLM(str(phi), dtype="float32", tensor_parallel_size=2)
-    assert not _rank_processes(os.getpid())  # refused before any rank started
+    assert not _rank_processes(os.getpid())  # refused before any rank started (nor left over)
 
 
 def _rank_processes(parent: int) -> list[int]:
@@ -155,6 +155,23 @@ def _rank_processes(parent: int) -> list[int]:
         if b"servelm.worker.tp" in cmdline and int(fields[1]) == parent and fields[0] != "Z":
             found.append(int(entry.name))
     return found
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` still runs (an orphan would have been adopted by init, so this
+    asks about the pid itself, not about the children of the engine)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _gone(pids: list[int], seconds: float = 10) -> bool:
+    deadline = time.time() + seconds
+    while any(_alive(p) for p in pids) and time.time() < deadline:
+        time.sleep(0.2)
+    return not any(_alive(p) for p in pids)
 
 
 def test_serve_answers_and_a_dead_rank_takes_the_server_down(tiny_model_dir):
@@ -196,6 +213,18 @@ def test_serve_answers_and_a_dead_rank_takes_the_server_down(tiny_model_dir):
             time.sleep(0.2)
         assert srv.proc.returncode == 1
         assert "tensor-parallel rank 1 exited" in srv.log()
-        assert not _rank_processes(engine)
+        assert _gone([engine, rank1])
     finally:
         srv.stop()
+
+
+def test_sigterm_stops_the_server_and_every_rank(tiny_model_dir):
+    srv = LiveServer(tiny_model_dir, "--tensor-parallel-size", "2")
+    try:
+        engine = srv.engine_pid()
+        ranks = _rank_processes(engine)
+        assert len(ranks) == 1
+    finally:
+        code = srv.stop()
+    assert code == 0
+    assert _gone([engine, *ranks])
