@@ -3,6 +3,7 @@ by servelm's real loader and engine on this CPU.
 
     .venv/bin/python -m benchmarks.gguf_types                       # 12 layers, hidden 1024
     .venv/bin/python -m benchmarks.gguf_types --layers 4 --tokens 32
+    .venv/bin/python -m benchmarks.gguf_types --threads 1   # one core: steadier when shared
 
 The same random weights are written three times with the `gguf` package: Q4_K with v and down
 in Q6_K (the Q4_K_M recipe; K-quants made with tests/gguf_kquants.py, since the `gguf` package
@@ -96,11 +97,15 @@ def random_weights(dims: dict, seed: int = 0) -> dict[str, np.ndarray]:
     return out
 
 
-def decode_ms(folder: Path, tokens: int, rounds: int) -> tuple[float, int, str]:
+def decode_ms(
+    folder: Path, tokens: int, rounds: int, threads: int | None = None
+) -> tuple[float, int, str]:
     """ms per decode token, bytes of weights a decode step reads, and how it was served."""
     from servelm import LLM, SamplingParams
 
-    llm = LLM(str(folder), dtype="bfloat16", kv_cache_memory="64MiB", device="cpu")
+    llm = LLM(
+        str(folder), dtype="bfloat16", kv_cache_memory="64MiB", device="cpu", num_threads=threads
+    )
     model = llm.engine.executor.model
 
     def run(n: int) -> float:
@@ -132,6 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=32, help="decode tokens timed per round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--forms", default=",".join(FORMS))
+    p.add_argument(
+        "--threads",
+        type=int,
+        help="CPU threads (default: every core); on a machine shared with other work, 1 keeps "
+        "each step from waiting for a second thread the scheduler has parked",
+    )
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
     dims = dict(
@@ -150,14 +161,14 @@ def main(argv: list[str] | None = None) -> int:
             src = Path(tmp) / f"{form}.gguf"
             write_gguf(src, weights, form, dims)
             folder = import_gguf(src, Path(tmp) / form)
-            ms, read, served = decode_ms(folder, args.tokens, args.rounds)
+            ms, read, served = decode_ms(folder, args.tokens, args.rounds, args.threads)
             rows.append(dict(form=form, ms_per_token=ms, bytes_per_token=read, served=served))
             print(
                 f"{form:7s} {ms:8.2f} ms/token  {read / 2**20:8.1f} MiB/token  "
                 f"{read / 1e6 / ms:6.2f} GB/s  ({served})",
                 flush=True,
             )
-    result = dict(cpu=cpu_name(), dims=dims, tokens=args.tokens, results=rows)
+    result = dict(cpu=cpu_name(), dims=dims, tokens=args.tokens, threads=args.threads, results=rows)
     print(json.dumps(result, indent=2))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
