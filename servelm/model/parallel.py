@@ -53,9 +53,12 @@ class TPGroup:
     size: int
     pg: dist.ProcessGroup | None = None
     collectives: int = 0
+    shm: object | None = None  # worker/shm_allreduce.py's ShmAllReduce, on one x86 host
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         self.collectives += 1
+        if self.shm is not None and self.shm.fits(x):  # (every rank decides alike: same x)
+            return self.shm.all_reduce(x)
         self.pg.allreduce([x]).wait()
         return x
 
@@ -67,8 +70,11 @@ class TPGroup:
         return torch.cat(parts, dim=1)
 
 
-def process_group(backend: str, store: dist.Store, rank: int, size: int, timeout) -> TPGroup:
-    """Join the ranks meeting at `store`: gloo over loopback on a CPU, NCCL on CUDA."""
+def process_group(
+    backend: str, store: dist.Store, rank: int, size: int, timeout, shm=None
+) -> TPGroup:
+    """Join the ranks meeting at `store`: gloo over loopback on a CPU, NCCL on CUDA; `shm`
+    carries the CPU's all-reduces that fit it."""
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
@@ -79,7 +85,7 @@ def process_group(backend: str, store: dist.Store, rank: int, size: int, timeout
         # loopback, whatever the host name resolves to: the ranks share this machine
         options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
         pg = dist.ProcessGroupGloo(store, rank, size, options)
-    return TPGroup(rank, size, pg)
+    return TPGroup(rank, size, pg, shm=shm)
 
 
 def collectives_per_step(spec: ModelSpec, tp: int) -> int:

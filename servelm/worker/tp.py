@@ -42,6 +42,8 @@ import torch.distributed as dist
 
 from servelm.model.config import ModelSpec
 from servelm.model.parallel import process_group
+from servelm.worker.shm_allreduce import ShmAllReduce
+from servelm.worker.shm_allreduce import usable as shm_usable
 
 logger = logging.getLogger("servelm")
 
@@ -105,6 +107,9 @@ class TPRunner:
         )
         self._store = store  # (the ranks meet here: kept as long as they run)
         self.address = f"{backend} via 127.0.0.1:{store.port}"
+        shm = ShmAllReduce(0, size) if backend == "gloo" and shm_usable(size) else None
+        if shm is not None:
+            self.address += ", all-reduces through shared memory"
         self.workers: list[_Worker] = []
         self.failed: str | None = None
         # Stops the ranks when this runner is shut down or collected; nothing that outlives
@@ -122,17 +127,22 @@ class TPRunner:
                     "model_dir": str(model_dir),
                     "spec": spec,
                     "kwargs": runner_kwargs,
+                    "shm": shm.path if shm is not None else None,
                     "log_level": logging.getLogger().level or logging.INFO,
                 }
                 self.workers.append(_Worker.start(setup))
             for worker in self.workers:  # each says it is about to join (or dies first)
                 worker.reply()
+            if shm is not None:
+                shm.unlink()  # every rank has it mapped
             if backend == "nccl":
                 torch.cuda.set_device(0)
-            group = process_group(backend, store, 0, size, COLLECTIVE_TIMEOUT)
+            group = process_group(backend, store, 0, size, COLLECTIVE_TIMEOUT, shm)
             self.runner = ModelRunner(model_dir, spec, tp=group, **runner_kwargs)
             self.ranks = [self._info(self.runner, 0)] + [w.reply() for w in self.workers]
         except BaseException:
+            if shm is not None:
+                shm.unlink()
             self.shutdown()
             raise
         self._watch()
@@ -314,8 +324,9 @@ def _rank_main(fd: int) -> None:
         )
         if setup["backend"] == "nccl":
             torch.cuda.set_device(rank)
+        shm = ShmAllReduce(rank, size, setup["shm"]) if setup["shm"] else None
         conn.send(("ok", "joining"))
-        group = process_group(setup["backend"], store, rank, size, COLLECTIVE_TIMEOUT)
+        group = process_group(setup["backend"], store, rank, size, COLLECTIVE_TIMEOUT, shm)
         runner = ModelRunner(setup["model_dir"], setup["spec"], tp=group, **setup["kwargs"])
         conn.send(("ok", TPRunner._info(runner, rank)))
     except Exception as exc:

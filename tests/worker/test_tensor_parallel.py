@@ -25,6 +25,7 @@ from safetensors import safe_open
 from servelm import LLM, SamplingParams
 from servelm.model.config import ModelConfigError
 from servelm.planner.shapes import shape_from_folder
+from servelm.worker import shm_allreduce
 from tests.live_server import LiveServer
 from tests.model.family_harness import (
     check_against_transformers,
@@ -54,14 +55,18 @@ def _tokens(model_dir: Path, prompts, **kwargs) -> list[tuple[list[int], list[fl
         ("LlamaConfig", 1, {"vocab_size": 387}),  # KV head replicated; vocab 194 + 193 (+1 pad)
     ],
 )
-def test_tp2_equals_tp1_and_transformers(tmp_path, config, kv_heads, extra):
+def test_tp2_equals_tp1_and_transformers(tmp_path, monkeypatch, config, kv_heads, extra):
     model_dir = make_tiny_model(tmp_path, config, num_key_value_heads=kv_heads, **SHAPE, **extra)
     prompts = prompts_sharing_prefix(384)
     one = _tokens(model_dir, prompts)
-    two = _tokens(model_dir, prompts, tensor_parallel_size=2)
-    for (ids1, lps1), (ids2, lps2) in zip(one, two, strict=True):
-        assert ids2 == ids1
+    two = _tokens(model_dir, prompts, tensor_parallel_size=2)  # all-reduces in shared memory
+    monkeypatch.setenv(shm_allreduce.ENV, "0")
+    gloo = _tokens(model_dir, prompts, tensor_parallel_size=2)  # every collective in gloo
+    monkeypatch.delenv(shm_allreduce.ENV)
+    for (ids1, lps1), (ids2, lps2), (ids3, _) in zip(one, two, gloo, strict=True):
+        assert ids2 == ids1 and ids3 == ids1
         assert max(abs(a - b) for a, b in zip(lps1, lps2, strict=True)) < 1e-4
+    assert not list(Path("/dev/shm").glob("servelm-tp-*"))  # the mapping's file is gone
     seen = check_against_transformers(model_dir, kernels=("auto",), tensor_parallel_size=2)
     assert seen["prefix_cache_hits"] > 0 and seen["preemptions_auto"] > 0
 
