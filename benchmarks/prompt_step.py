@@ -5,7 +5,10 @@
 Runs `--repeat` prompts of `--tokens` tokens, one at a time with one token generated (the
 prompt step; prefix caching off, so every prompt is computed whole), and prints the fastest
 and the median milliseconds and the rate of its int4 projections in GOP/s if they took the
-whole step (2 operations a weight and token: a floor on what the matmuls themselves reach).
+whole step (2 operations a weight and token: a floor on what the matmuls themselves reach),
+then the same in CPU time per thread: on a shared machine, what the step costs without the
+time other processes take the cores (run it with OMP_WAIT_POLICY=passive, so that threads
+waiting at a barrier sleep rather than spin).
 Where the time goes inside the step's one C call, `perf` (software clock, user space, no
 root needed) shows by function:
 
@@ -19,6 +22,8 @@ import argparse
 import statistics
 import time
 
+import torch
+
 from servelm import LLM, SamplingParams
 
 
@@ -31,13 +36,15 @@ def main() -> None:
     llm = LLM(args.model, enable_prefix_caching=False)
     runner = llm.engine.executor
     params = SamplingParams(temperature=0, max_tokens=1)
-    times = []
+    times, cpu = [], []
+    threads = torch.get_num_threads()
     for i in range(args.repeat + 1):  # the first warms up
         prompt = [100 + (i * 31 + j) % 40000 for j in range(args.tokens)]
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         llm.generate([prompt], params)
         times.append(time.perf_counter() - t0)
-    times = times[1:]
+        cpu.append((time.process_time() - c0) / threads)
+    times, cpu = times[1:], cpu[1:]
     from servelm.model.layers.linear import Linear
 
     int4 = sum(
@@ -48,7 +55,9 @@ def main() -> None:
     rate = 2 * int4 * args.tokens / min(times) / 1e9
     print(f"{args.tokens}-token prompt step ({runner.int4_layers} int4 projections): "
           f"fastest {min(times) * 1e3:.1f} ms, median {statistics.median(times) * 1e3:.1f} ms "
-          f"of {args.repeat}; int4 matmuls over the whole fastest step: {rate:.0f} GOP/s")  # fmt: skip
+          f"of {args.repeat}; int4 matmuls over the whole fastest step: {rate:.0f} GOP/s; "
+          f"CPU time per thread: fastest {min(cpu) * 1e3:.1f} ms, median "
+          f"{statistics.median(cpu) * 1e3:.1f} ms")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,0 +1,89 @@
+/* The peak rate of one core's integer (and float32) multiply-adds, for the "fraction of peak"
+ * figures in docs/performance.md: 12 independent accumulator chains of one instruction, timed
+ * by the thread's CPU time (so that other processes on a shared machine do not count), and a
+ * chain of 1-cycle adds for the clock. Two cores' peak is twice one core's.
+ *
+ *     cc -O3 -march=native benchmarks/int_dot_peak.c -o /tmp/int_dot_peak && /tmp/int_dot_peak
+ *
+ * (-march=native: the instructions this CPU lacks are left out, by the feature macros.) */
+#include <immintrin.h>
+#include <stdio.h>
+#include <time.h>
+
+#define ITERS 20000000L
+
+static double cpu_seconds(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+    return t.tv_sec + t.tv_nsec * 1e-9;
+}
+
+/* 12 chains of OP(a); the operands w, x pass through an empty asm each iteration, so that the
+ * compiler neither hoists nor merges the instructions */
+#define CHAINS(T, ZERO, OP)                                                                    \
+    T a0 = ZERO, a1 = ZERO, a2 = ZERO, a3 = ZERO, a4 = ZERO, a5 = ZERO, a6 = ZERO, a7 = ZERO,  \
+      a8 = ZERO, a9 = ZERO, a10 = ZERO, a11 = ZERO;                                            \
+    for (long it = 0; it < ITERS; it++) {                                                      \
+        a0 = OP(a0), a1 = OP(a1), a2 = OP(a2), a3 = OP(a3), a4 = OP(a4), a5 = OP(a5);          \
+        a6 = OP(a6), a7 = OP(a7), a8 = OP(a8), a9 = OP(a9), a10 = OP(a10), a11 = OP(a11);      \
+        __asm__ volatile("" : "+v"(w), "+v"(x));                                               \
+        __asm__ volatile("" : "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5),      \
+                         "+v"(a6), "+v"(a7), "+v"(a8), "+v"(a9), "+v"(a10), "+v"(a11));        \
+    }                                                                                          \
+    __asm__ volatile("" ::"v"(a0), "v"(a11));
+
+static double rate(void (*fn)(void)) /* instructions per ns, the best of 3 */
+{
+    double best = 1e9;
+    for (int rep = 0; rep < 3; rep++) {
+        const double t0 = cpu_seconds();
+        fn();
+        const double t = cpu_seconds() - t0;
+        best = t < best ? t : best;
+    }
+    return ITERS * 12.0 / best / 1e9;
+}
+
+#if defined(__AVX512VNNI__)
+#define DPWSSD(a) _mm512_dpwssd_epi32(a, w, x)
+#define DPBUSD(a) _mm512_dpbusd_epi32(a, w, x)
+static void dpwssd(void) { __m512i w = _mm512_set1_epi16(3), x = w; CHAINS(__m512i, w, DPWSSD) }
+static void dpbusd(void) { __m512i w = _mm512_set1_epi16(3), x = w; CHAINS(__m512i, w, DPBUSD) }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+/* vpmaddwd and vpaddd as the AVX2 integer path pairs them (each chain through both) */
+#define MADDWD(a) _mm256_add_epi32(_mm256_madd_epi16(a, x), w)
+static void maddwd(void) { __m256i w = _mm256_set1_epi16(3), x = w; CHAINS(__m256i, w, MADDWD) }
+#endif
+#if defined(__AVX512F__)
+#define FMA16(a) _mm512_fmadd_ps(a, w, x)
+static void fma16(void) { __m512 w = _mm512_set1_ps(1.f), x = _mm512_set1_ps(1e-9f); CHAINS(__m512, x, FMA16) }
+#endif
+
+int main(void)
+{
+    long v = 0;
+    double t0 = cpu_seconds();
+    for (long i = 0; i < 1000000000L; i++)
+        __asm__ volatile("add $1, %0" : "+r"(v));
+    printf("clock (a chain of 1-cycle adds): %.2f GHz\n", 1.0 / (cpu_seconds() - t0));
+    struct { const char *name; void (*fn)(void); int macs; } kinds[] = {
+#if defined(__AVX512VNNI__)
+        {"vpdpwssd zmm (int16 pairs)", dpwssd, 32},
+        {"vpdpbusd zmm (u8 x s8 quads)", dpbusd, 64},
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+        {"vpmaddwd + vpaddd ymm (int16)", maddwd, 16},
+#endif
+#if defined(__AVX512F__)
+        {"vfmadd231ps zmm (float32)", fma16, 16},
+#endif
+    };
+    for (unsigned k = 0; k < sizeof kinds / sizeof kinds[0]; k++) {
+        const double r = rate(kinds[k].fn);
+        printf("%-32s %.2f /ns a core: %6.0f GOP/s a core, %6.0f on 2 cores\n", kinds[k].name, r,
+               2 * r * kinds[k].macs, 4 * r * kinds[k].macs);
+    }
+    return 0;
+}
