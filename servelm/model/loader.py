@@ -22,7 +22,6 @@ from servelm.kernels.paths import ALL_ROWS, StepPaths
 from servelm.kernels.quant_matmul import GGUF_KERNEL_TYPES, GROUP, LANES, QuantMatmul
 from servelm.model import packed_cache
 from servelm.model.layers.embedding import Embedding
-from servelm.model.parallel import TPGroup, TPSlicer, apply_tp, rank_spec
 from servelm.model.layers.linear import (
     INT4_LOSSLESS_STEPS,
     GGUFHead,
@@ -34,6 +33,7 @@ from servelm.model.layers.linear import (
     int4_linears,
     quantize_linears_int4,
 )
+from servelm.model.parallel import TPGroup, TPSlicer, apply_tp, rank_spec
 
 logger = logging.getLogger(__name__)
 

@@ -16,10 +16,10 @@ from servelm.engine.core import EngineCore
 from servelm.engine.kv_cache import kv_window
 from servelm.engine.scheduler import SchedulerConfig
 from servelm.model.config import ModelSpec, load_spec
-from servelm.store.fetch import resolve_model_dir
-from servelm.structured.matcher import StructuredOutputs
 from servelm.model.loader import checkpoint_names
 from servelm.model.parallel import check_supported
+from servelm.store.fetch import resolve_model_dir
+from servelm.structured.matcher import StructuredOutputs
 from servelm.worker.model_runner import ModelRunner
 from servelm.worker.tp import TPRunner
 
