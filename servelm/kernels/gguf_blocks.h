@@ -8,22 +8,36 @@
  * back to back (the file's layout; the importer keeps them, store/gguf_import.py). A block's
  * weights are w = (d * sc) * q - (dmin * m) (Q4_K, Q5_K: 8 sub-blocks of 32, 6-bit sc and m),
  * (d * sc) * (q - 32) (Q6_K: 16 sub-blocks of 16, int8 sc) or d * q (Q8_0, blocks of 32), with
- * d and dmin float16. Each block of a row is unpacked once per call into float32 weights
- * (d * sc) * q, which are exact in float32 (at most 11 + 7 + 5 = 23 significant bits), and every
- * row of x runs through them in 16 lanes of FMAs; the (dmin * m) part is taken as
- * (dmin * m) * sum(x) per sub-block. Products are exact, sums float32, y rounded to bfloat16
- * once, as q4 does. The code is plain C that the compiler vectorizes for each build.
+ * d and dmin float16. A block is taken in chunks of 32 weights (its inputs 32c..32c + 31): each
+ * chunk's dot with x is scaled by its (d * sc), exact in float32 (kq_prep), and the (dmin * m)
+ * part is taken as (dmin * m) * sum(x) per sub-block, from x's group sums. No weight and no x is
+ * rounded; products are exact, sums float32, y rounded to bfloat16 once (float32 for the head).
  *
- * Batch invariant whatever the setting: a row of x meets the same operations in the same order
- * whatever the number of rows (threads split W's rows, never x's). A GEMM of many rows (a
- * prompt) runs at this vector code's FMA speed: no tiles, no register blocking over x. */
+ *   AVX-512 BF16: a chunk's quants become the bfloat16 numbers q (Q6_K: q - 32), exact (integers
+ *     below 2^8), by one vpermw / vpermt2w table lookup (Q8_0: through float32); vdpbf16ps
+ *     multiplies them by x as it is, summing pairs into 16 float32 lanes, and one FMA per chunk
+ *     adds those times the chunk's (d * sc) (Q6_K: lanes 0-7 and 8-15 have one each).
+ *   AVX2, and AVX-512 without BF16: a chunk becomes 4 x 8 float32 weights (d * sc) * q, exact
+ *     (at most 11 + 7 + 5 = 23 significant bits), by vector ops, for 8-lane FMAs with x in
+ *     float32, two chains a row.
+ *   Neither (the c build): plain C that unpacks a block to float32 and runs 16 lanes of FMAs.
+ *
+ * x in int16 (q4's gemm_int) was not needed: at one row of x, one thread takes 85-90 us for a
+ * 1024 x 1024 Q4_K matrix, q4's AMX path 83 us for the same one in Q4_1, with x exact.
+ *
+ * Decode steps (up to KQ_FUSED_MAX_B rows of x) unpack each chunk into registers and take it to
+ * every row of x at once, KQ_FUSED_ROWS rows of W together; prompts unpack a block of
+ * KQ_TILE_ROWS rows of W once into a buffer and run every row of x through it. Either way each
+ * y[b, n] is the same operations in the same order (per block: each chunk's dot in turn, then
+ * the mins; the lanes summed at the end), so the kernel is batch invariant whatever the setting
+ * (threads split W's rows, never x's). Measured against the plain C code it replaced, in a
+ * Q4_K_M model's decode steps and in prompts: docs/performance.md, session 24. */
 
 #define QK_K 256
 enum { GGUF_Q8_0 = 8, GGUF_Q4_K = 12, GGUF_Q5_K = 13, GGUF_Q6_K = 14 };
+/* The c build's: lanes of FMAs, and rows of W unpacked together (8 KiB of float32 weights, in
+ * L1), so that each block of a row of x is read once per 8 rows of W rather than once per row */
 #define KQ_LANES 16
-/* Rows of W unpacked together (8 KiB of float32 weights, in L1), so that each block of a row of
- * x is read once per 8 rows of W rather than once per row: a prompt's x comes from cache 8
- * times less. Each row's arithmetic is the same whatever the tile. */
 #define KQ_TILE 8
 
 /* weights per block and bytes per block of a GGUF type; 0 for one this code does not read */
@@ -148,7 +162,8 @@ INLINE void kq_prep(const int type, const uint8_t *blk, float *p)
     for (int h = 0; h < 2; h++) {
         const __m128i v = _mm_loadl_epi64((const __m128i *)(b + 8 * h));
         const __m256i i = type == GGUF_Q6_K ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v);
-        _mm256_storeu_ps(p + 8 * h, _mm256_mul_ps(_mm256_cvtepi32_ps(i), _mm256_set1_ps(h ? d : lo)));
+        const __m256 f = _mm256_set1_ps(h ? d : lo);
+        _mm256_storeu_ps(p + 8 * h, _mm256_mul_ps(_mm256_cvtepi32_ps(i), f));
     }
 #else
     for (int i = 0; i < 16; i++)
@@ -196,8 +211,10 @@ INLINE kq_chunk kq_unpack(const int type, const uint8_t *blk, const float *p, co
 {
     kq_chunk ch;
     if (type == GGUF_Q8_0) {
-        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2))));
-        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18))));
+        const __m128i q0 = _mm_loadu_si128((const __m128i *)(blk + 2));
+        const __m128i q1 = _mm_loadu_si128((const __m128i *)(blk + 18));
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1));
         ch.q = _mm512_cvtne2ps_pbh(hi, lo);
         ch.s = _mm512_set1_ps(p[0]);
         return ch;
@@ -208,14 +225,14 @@ INLINE kq_chunk kq_unpack(const int type, const uint8_t *blk, const float *p, co
         const int h = c / 4, s = c % 4;
         const __m512i l = kq_bytes16(blk + 64 * h + 32 * (s % 2));
         const __m512i u = kq_bytes16(blk + 128 + 32 * h);
-        const __m512i lo = s < 2 ? _mm512_and_si512(l, _mm512_set1_epi16(15)) : _mm512_srli_epi16(l, 4);
+        const __m512i lo =
+            s < 2 ? _mm512_and_si512(l, _mm512_set1_epi16(15)) : _mm512_srli_epi16(l, 4);
         const __m512i up = s < 2 ? _mm512_slli_epi16(u, 4 - 2 * s)
                                  : (s == 2 ? u : _mm512_srli_epi16(u, 2));
         const __m512i q = _mm512_ternarylogic_epi32(lo, up, _mm512_set1_epi16(0x30), 0xF8);
         ch.q = (__m512bh)_mm512_permutex2var_epi16(t.neg, q, t.pos);
-        const __m512i idx = _mm512_setr_epi32(2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c,
-                                              2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1,
-                                              2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1);
+        const int a = 2 * c, b = 2 * c + 1;
+        const __m512i idx = _mm512_setr_epi32(a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b);
         ch.s = _mm512_permutexvar_ps(idx, _mm512_loadu_ps(p));
         return ch;
     }
@@ -300,7 +317,8 @@ INLINE kq_chunk kq_unpack(const int type, const uint8_t *blk, const float *p, co
             const int h = c / 4, sb = c % 4;
             const __m256i l = kq_bytes32(blk + 64 * h + 32 * (sb % 2) + 8 * m);
             const __m256i u = kq_bytes32(blk + 128 + 32 * h + 8 * m);
-            const __m256i lo = sb < 2 ? _mm256_and_si256(l, _mm256_set1_epi32(15)) : _mm256_srli_epi32(l, 4);
+            const __m256i lo =
+                sb < 2 ? _mm256_and_si256(l, _mm256_set1_epi32(15)) : _mm256_srli_epi32(l, 4);
             const __m256i up = sb < 2 ? _mm256_slli_epi32(u, 4 - 2 * sb)
                                       : (sb == 2 ? u : _mm256_srli_epi32(u, 2));
             q = _mm256_sub_epi32(
@@ -313,7 +331,8 @@ INLINE kq_chunk kq_unpack(const int type, const uint8_t *blk, const float *p, co
             q = c % 2 ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(15));
             if (five) {
                 const __m256i u = kq_bytes32(blk + 16 + 8 * m);
-                const __m256i bit = c <= 4 ? _mm256_slli_epi32(u, 4 - c) : _mm256_srli_epi32(u, c - 4);
+                const __m256i bit =
+                    c <= 4 ? _mm256_slli_epi32(u, 4 - c) : _mm256_srli_epi32(u, c - 4);
                 q = _mm256_or_si256(q, _mm256_and_si256(bit, _mm256_set1_epi32(16)));
             }
             s = p[8 + c];
