@@ -4,18 +4,22 @@
  * At one token per request the ~10 Python calls around a layer's kernels (module dispatch,
  * argument checks, output allocation, ctypes) cost more than the kernels (docs/performance.md).
  * This loop calls the kernels directly, through pointers to the functions the other libraries
- * export (cpu_ops.c, quant_matmul.c, paged_decode.c, paged_prefill.c), so each of them stays
- * the only copy of its code and the results are bit for bit those of the Python path. Per
- * layer, for the step's B rows (tokens):
+ * export (cpu_ops.c, quant_matmul.c with gguf_blocks.h, paged_decode.c, paged_prefill.c), so
+ * each of them stays the only copy of its code and the results are bit for bit those of the
+ * Python path. A projection (`struct proj`) is q4_matmul's int4 weight, or a GGUF file's
+ * own parts as GGUFWeight keeps them (model/layers/linear.py): each part's rows by its own
+ * kernel (gguf_matmul for Q4_K / Q5_K / Q6_K / Q8_0 blocks, q8_matmul rounded to bfloat16,
+ * q4_matmul), into its columns of the output, as GGUFWeight.__call__ does. Per layer, for
+ * the step's B rows (tokens):
  *
  *   h = norm(x += delta)                    add_rms_norm   (no add before the first layer)
- *   qkv = h Wqkv^T;  rotate q and k         q4_matmul, rotary
+ *   qkv = h Wqkv^T;  rotate q and k         matmul (q4 or the parts'), rotary
  *   a = attention(q; store k, v at slots)   paged_decode for decode tokens (storing theirs);
  *                                           prompt tokens stored first, then paged_prefill
  *                                           (with batch invariance, a decode token too, as a
  *                                           prompt chunk of one)
- *   delta = a Wo^T;  h = norm(x += delta)   q4_matmul, add_rms_norm
- *   delta = silu(h Wg^T) * (h Wu^T) Wd^T    q4_matmul, silu_and_mul, q4_matmul
+ *   delta = a Wo^T;  h = norm(x += delta)   matmul, add_rms_norm
+ *   delta = silu(h Wg^T) * (h Wu^T) Wd^T    matmul, silu_and_mul, matmul
  *
  * and after the last layer out = norm(x += delta). Tensors are bfloat16, row-major. The last
  * layer, after storing every row's K/V, goes on with the step's K kept rows alone (a prompt
@@ -36,6 +40,10 @@ typedef void (*rotary_fn)(void *x, int64_t row_stride, int64_t T, int64_t H, int
 typedef void (*silu_fn)(const void *gate_up, void *out, int64_t T, int64_t I);
 typedef void (*matmul_fn)(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t B, int64_t N,
                           int64_t K);
+typedef void (*gguf_fn)(int64_t type, const uint16_t *x, const uint8_t *w, void *y, int64_t B,
+                        int64_t N, int64_t K, int64_t f32);
+typedef void (*q8_fn)(const uint16_t *x, const uint8_t *w, float *y, int64_t B, int64_t N,
+                      int64_t K);
 typedef void (*attention_fn)(const void *q, int64_t q_stride, const void *k, int64_t k_stride,
                              const void *v, int64_t v_stride, void *k_cache, void *v_cache,
                              const int64_t *slots, const int64_t *block_tables,
@@ -55,6 +63,8 @@ struct kernels {
     matmul_fn q4;
     attention_fn attention;
     prefill_fn prefill; /* NULL: steps with prompt tokens are not taken */
+    gguf_fn gguf;       /* gguf_matmul_bf16 */
+    q8_fn q8;           /* q8_matmul_bf16 */
 };
 
 struct shape {
@@ -62,9 +72,21 @@ struct shape {
     float eps, scale;
 };
 
+/* Rows start .. start + rows - 1 of a projection's output, from one stored weight. */
+enum { PART_Q4 = 0, PART_GGUF = 1, PART_Q8 = 2 };
+struct proj_part {
+    int64_t kind, type, start, rows; /* type: the GGUF type number (PART_GGUF) */
+    const uint8_t *w;
+};
+
+struct proj {
+    int64_t num_parts;
+    const struct proj_part *parts;
+};
+
 struct layer {
     const void *input_norm, *post_norm;          /* [hidden] */
-    const uint8_t *qkv, *o, *gate_up, *down;     /* q4-packed weights */
+    const struct proj *qkv, *o, *gate_up, *down;
     void *k_cache, *v_cache;                     /* [slots, kv_heads, head_dim] */
 };
 
@@ -92,10 +114,37 @@ struct step {
 };
 
 /* Scratch rows, each sized for B: h [B, hidden], qkv [B, (heads + 2 kv_heads) head_dim],
- * attn [B, heads head_dim], delta [B, hidden], gate_up [B, 2 intermediate], act [B, intermediate]. */
+ * attn [B, heads head_dim], delta [B, hidden], gate_up [B, 2 intermediate], act [B, intermediate],
+ * part [B, the most rows of any part] float32 (one part's output, before its columns). */
 struct scratch {
-    void *h, *qkv, *attn, *delta, *gate_up, *act;
+    void *h, *qkv, *attn, *delta, *gate_up, *act, *part;
 };
+
+/* y [B, N] = x [B, K] W^T, W in p's parts: what Linear gives for an int4 or GGUF weight. */
+static void project(const struct kernels *k, const struct proj *p, const uint16_t *x, uint16_t *y,
+                    int64_t B, int64_t N, int64_t K, void *tmp)
+{
+    for (int64_t i = 0; i < p->num_parts; i++) {
+        const struct proj_part *pt = &p->parts[i];
+        const int64_t rows = pt->rows;
+        if (pt->kind == PART_Q8) { /* float32 out, rounded as torch's .to(bfloat16) */
+            const float *f = tmp;
+            k->q8(x, pt->w, tmp, B, rows, K);
+            for (int64_t b = 0; b < B; b++)
+                for (int64_t r = 0; r < rows; r++)
+                    y[b * N + pt->start + r] = float_to_bf16(f[b * rows + r]);
+            continue;
+        }
+        uint16_t *dst = p->num_parts == 1 ? y : tmp;
+        if (pt->kind == PART_GGUF)
+            k->gguf(pt->type, x, pt->w, dst, B, rows, K, 0);
+        else
+            k->q4(x, pt->w, dst, B, rows, K);
+        if (dst != y)
+            for (int64_t b = 0; b < B; b++)
+                memcpy(y + b * N + pt->start, dst + b * rows, 2 * rows);
+    }
+}
 
 /* x [B, hidden]: the token embeddings, updated in place into the residual stream;
  * out [B, hidden]: the final norm's output (what the logits head reads) in its first K rows. */
@@ -113,7 +162,7 @@ void decode_stack_bf16(const struct kernels *k, const struct shape *s, const str
         const struct layer *ly = &layers[l];
         const int kept_only = l == num_layers - 1 && st->kept_rows;
         k->norm(x, delta, ly->input_norm, buf->h, B, H, s->eps);
-        k->q4(buf->h, ly->qkv, qkv, B, qkv_row, H);
+        project(k, ly->qkv, buf->h, qkv, B, qkv_row, H, buf->part);
         k->rotary(qkv, qkv_row, B, Hq + Hkv, D, st->cos, st->sin);
         /* prompt tokens' K/V first: another part may read the blocks they fill (a request
          * whose cached prefix another request of the step is computing); a decode token's
@@ -150,11 +199,11 @@ void decode_stack_bf16(const struct kernels *k, const struct shape *s, const str
                 if (st->kept_rows[r] != r)
                     memcpy((uint16_t *)x + r * H, (uint16_t *)x + st->kept_rows[r] * H, 2 * H);
         }
-        k->q4(buf->attn, ly->o, buf->delta, R, H, q_size);
+        project(k, ly->o, buf->attn, buf->delta, R, H, q_size, buf->part);
         k->norm(x, buf->delta, ly->post_norm, buf->h, R, H, s->eps);
-        k->q4(buf->h, ly->gate_up, buf->gate_up, R, 2 * I, H);
+        project(k, ly->gate_up, buf->h, buf->gate_up, R, 2 * I, H, buf->part);
         k->silu(buf->gate_up, buf->act, R, I);
-        k->q4(buf->act, ly->down, buf->delta, R, H, I);
+        project(k, ly->down, buf->act, buf->delta, R, H, I, buf->part);
         delta = buf->delta;
     }
     k->norm(x, delta, final_norm, out, R, H, s->eps);

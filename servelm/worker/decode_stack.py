@@ -4,7 +4,8 @@
     hidden = stack(input_ids, positions)      # None: this step is not one it takes
 
 It takes steps of at most `max_rows` tokens (those whose matmuls read the int4 weights in C:
-`StepPaths.stack_max_rows`, every step where it is batch invariant): decode steps and, where
+`StepPaths.stack_max_rows`, every step where it is batch invariant; a GGUF file's own
+K-quant / Q8_0 projections, `GGUFWeight`, serve every step): decode steps and, where
 the C prefill attention runs (AMX tiles, or AVX2), prompt and mixed steps too. It returns what
 `model(input_ids, positions, attn)` returns for them, bit for bit: the C loop calls the very
 kernels the Python layers call, in the same order, and only leaves out the Python between them
@@ -33,7 +34,22 @@ _ptr, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 # The C structs of decode_stack.c, field for field.
 class _Kernels(ctypes.Structure):
-    _fields_ = [(name, _ptr) for name in ("norm", "rotary", "silu", "q4", "attention", "prefill")]
+    _fields_ = [
+        (name, _ptr)
+        for name in ("norm", "rotary", "silu", "q4", "attention", "prefill", "gguf", "q8")
+    ]
+
+
+# `struct proj_part` kinds: how a part's rows are stored, by GGUFWeight's part kind
+_PART_KINDS = {"q4": 0, "gguf": 1, "q8": 2}
+
+
+class _ProjPart(ctypes.Structure):
+    _fields_ = [*((name, _i64) for name in ("kind", "type", "start", "rows")), ("w", _ptr)]
+
+
+class _Proj(ctypes.Structure):
+    _fields_ = [("num_parts", _i64), ("parts", ctypes.POINTER(_ProjPart))]
 
 
 class _Shape(ctypes.Structure):
@@ -73,20 +89,62 @@ class _Step(ctypes.Structure):
 
 
 class _Scratch(ctypes.Structure):
-    _fields_ = [(name, _ptr) for name in ("h", "qkv", "attn", "delta", "gate_up", "act")]
+    _fields_ = [(name, _ptr) for name in ("h", "qkv", "attn", "delta", "gate_up", "act", "part")]
 
 
 def _address(fn: ctypes._CFuncPtr) -> int:
     return ctypes.cast(fn, ctypes.c_void_p).value
 
 
+def _projection(m) -> tuple[_Proj, object, int] | None:
+    """A `Linear`'s weight as decode_stack.c's `struct proj`, the QuantMatmul that serves it
+    and the most rows for which it does so in C (as `Linear._matmul` picks): its GGUF parts
+    (`quant`), each by its own kernel, or its C int4 weight; None if it has a bias or neither."""
+    if m.bias is not None:
+        return None
+    if m.quant is not None:
+        q = m.quant
+        parts = [
+            _ProjPart(
+                _PART_KINDS[kind],
+                data[0] if kind == "gguf" else 0,
+                start,
+                rows,
+                (data[1] if kind == "gguf" else data).data_ptr(),
+            )
+            for start, rows, kind, data in q.parts
+        ]
+        rows = q.max_rows
+        if any(kind == "q4" for _, _, kind, _ in q.parts):  # q4 may leave C for wide inputs
+            rows = min(rows, StepPaths.of(q.kernel).stack_max_rows)
+        kernel = q.kernel
+    elif m.int4 is not None and m.int4.kernel is not None:
+        parts = [_ProjPart(_PART_KINDS["q4"], 0, 0, m.int4.rows, m.int4.packed.data_ptr())]
+        kernel = m.int4.kernel
+        rows = StepPaths.of(kernel).stack_max_rows
+    else:
+        return None
+    table = (_ProjPart * len(parts))(*parts)
+    proj = _Proj(len(parts), table)
+    proj.table = table  # kept alive with it
+    return proj, kernel, rows
+
+
 class DecodeStack:
     def __init__(
-        self, fn, model, attn, kernels: _Kernels, layers: list[_Layer], max_rows: int
+        self,
+        fn,
+        model,
+        attn,
+        kernels: _Kernels,
+        layers: list[_Layer],
+        max_rows: int,
+        projs: list[_Proj] = (),
     ) -> None:
         spec = model.spec
         self.fn, self.model, self.attn = fn, model, attn
         self.max_rows = max_rows
+        self.projs = list(projs)  # the layers point at these (and their parts' tables)
         self.kernels = kernels
         self.final_norm = model.norm.weight.data_ptr()
         self.layers = (_Layer * len(layers))(*layers)
@@ -100,6 +158,7 @@ class DecodeStack:
             model.norm.eps,
             attn.scale,
         )
+        widest = max((p.parts[i].rows for p in self.projs for i in range(p.num_parts)), default=1)
         self.sizes = {  # scratch row lengths, as in decode_stack.c
             "h": spec.hidden_size,
             "qkv": spec.q_size + 2 * spec.kv_size,
@@ -107,14 +166,15 @@ class DecodeStack:
             "delta": spec.hidden_size,
             "gate_up": 2 * spec.intermediate_size,
             "act": spec.intermediate_size,
+            "part": 2 * widest,  # float32 (q8 parts): two bfloat16 columns each
         }
         self._scratch: tuple[dict[str, torch.Tensor], _Scratch] | None = None
 
     @classmethod
     def build(cls, model, attn) -> DecodeStack | None:
         """The stack for `model` (a LlamaForCausalLM whose weights are loaded) over `attn`'s KV
-        caches; None unless each layer runs only C kernels: the fused CPU ops, the C int4
-        matmuls (no biases) and the C decode attention, all in bfloat16."""
+        caches; None unless each layer runs only C kernels: the fused CPU ops, the C int4 or
+        GGUF matmuls (no biases) and the C decode attention, all in bfloat16."""
         ops, decode = model.cpu_ops, attn.decode_kernel
         if ops is None or decode is None or decode.dtype != torch.bfloat16:
             return None
@@ -127,7 +187,7 @@ class DecodeStack:
             w.dtype != torch.bfloat16 or not w.is_contiguous() for w in norms
         ):
             return None
-        layers, quant = [], None
+        layers, projs, quant, max_rows = [], [], None, None
         for layer, (k_cache, v_cache) in zip(model.layers, attn.kv_caches, strict=True):
             mats = [
                 layer.self_attn.qkv_proj,
@@ -135,14 +195,20 @@ class DecodeStack:
                 layer.mlp.gate_up_proj,
                 layer.mlp.down_proj,
             ]
-            if any(m.int4 is None or m.int4.kernel is None or m.bias is not None for m in mats):
+            made = [_projection(m) for m in mats]
+            if any(p is None for p in made):
                 return None
-            quant = mats[0].int4.kernel
+            for _, kernel, rows in made:
+                if quant is not None and kernel is not quant:  # one library serves them all
+                    return None
+                quant = kernel
+                max_rows = rows if max_rows is None else min(max_rows, rows)
+            projs += [p for p, _, _ in made]
             layers.append(
                 _Layer(
                     layer.input_layernorm.weight.data_ptr(),
                     layer.post_attention_layernorm.weight.data_ptr(),
-                    *(m.int4.packed.data_ptr() for m in mats),
+                    *(ctypes.addressof(p) for p, _, _ in made),
                     k_cache.data_ptr(),
                     v_cache.data_ptr(),
                 )
@@ -159,8 +225,10 @@ class DecodeStack:
             _address(quant.fns["q4"]),
             _address(decode.fn),
             _address(attn.prefill_kernel.fn) if attn.prefill_kernel is not None else None,
+            _address(quant._gguf),
+            _address(quant.fns["q8"]),
         )
-        return cls(fn, model, attn, kernels, layers, StepPaths.of(quant).stack_max_rows)
+        return cls(fn, model, attn, kernels, layers, max_rows, projs)
 
     @property
     def takes_prompts(self) -> bool:

@@ -1,10 +1,12 @@
 """The decode stack (all layers in one C call) gives what the Python layers give, bit for bit.
 
 The tiny model in bfloat16 with int4 weights (`quantization="int4"`) runs every piece of a layer
-in C on the CPU, so its small decode steps take the stack; each test compares with the same
-engine's Python path (`decode_stack = None`), which the golden tests hold to transformers. Each
-test runs on every build of the C kernels this host can run (tests/kernels/variants.py: the
-engine loads it through $SERVELM_KERNEL_VARIANT).
+in C on the CPU, so its small decode steps take the stack; so does a tiny GGUF model whose
+projections are the file's own K-quant / Q8_0 / Q4_1 values (`GGUFWeight`, parts of different
+types within one fused projection). Each test compares with the same engine's Python path
+(`decode_stack = None`), which the golden tests hold to transformers (tests/store/
+test_gguf_types.py for the GGUF types). Each test runs on every build of the C kernels this
+host can run (tests/kernels/variants.py: the engine loads it through $SERVELM_KERNEL_VARIANT).
 """
 
 import pytest
@@ -15,7 +17,11 @@ from servelm.kernels import variants
 from servelm.kernels.build import compiler
 from servelm.kernels.paths import ALL_ROWS, StepPaths
 from servelm.kernels.quant_matmul import QuantMatmul
+from servelm.model.layers.linear import GGUFWeight, Linear
+from servelm.store.gguf_import import import_gguf
+from tests.gguf_kquants import Q
 from tests.kernels.variants import PREFILL, flags, params
+from tests.store.gguf_models import TOKENS, q4_k_m, tiny_hf_model, write_family_gguf
 from tests.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="the C kernels need a C compiler")
@@ -229,3 +235,94 @@ def test_not_built_unless_every_layer_runs_in_c(tiny_model_dir, settings):
     llm = LLM(str(tiny_model_dir), kv_cache_memory="4MiB", device="cpu", **settings)
     assert llm.engine.executor.decode_stack is None
     assert "one C call" not in llm.engine.executor.kernel_summary
+
+
+# -- a GGUF file's own quantized projections (GGUFWeight) ------------------------------------
+
+
+def every_part_kind(name: str) -> Q:
+    """Each kind of GGUFWeight part, and fused projections of mixed parts: q, k, v as Q5_K
+    blocks, Q8_0 (the q8 layout) and Q4_1 (the q4 layout); gate Q4_K, up Q6_K; down Q8_0."""
+    for proj, qtype in {
+        "q_proj": Q.Q5_K,
+        "k_proj": Q.Q8_0,
+        "v_proj": Q.Q4_1,
+        "o_proj": Q.Q6_K,
+        "gate_proj": Q.Q4_K,
+        "up_proj": Q.Q6_K,
+        "down_proj": Q.Q8_0,
+    }.items():
+        if f".{proj}." in name:
+            return qtype
+    return Q.Q6_K  # the embedding and the head
+
+
+GGUF_MIXES = {"Q4_K_M": q4_k_m, "mixed": every_part_kind}
+GGUF_KINDS = {  # what the loader makes of each mix: layer 0's (qkv, gate_up, down) parts
+    "Q4_K_M": (["Q4_K", "Q4_K", "Q6_K"], ["Q4_K", "Q4_K"], ["Q6_K"]),
+    "mixed": (["Q5_K", "Q8_0", "Q4_1"], ["Q4_K", "Q6_K"], ["Q8_0"]),
+}
+
+
+@pytest.fixture(scope="module")
+def gguf_folders(tmp_path_factory):
+    llama = tiny_hf_model("llama")
+    folders = {}
+    for name, mix in GGUF_MIXES.items():
+        d = tmp_path_factory.mktemp(f"gguf-{name}")
+        folders[name] = import_gguf(write_family_gguf(d / "m.gguf", llama, "llama", mix), d / "m")
+    return folders
+
+
+@pytest.fixture(scope="module", params=list(GGUF_MIXES))
+def gguf_llm(request, gguf_folders, variant):
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(variants.ENV, variant)
+        llm = LLM(str(gguf_folders[request.param]), dtype="bfloat16", kv_cache_memory="4MiB",
+                  device="cpu", enable_prefix_caching=False)  # fmt: skip
+    return request.param, llm
+
+
+def gguf_ids(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, len(TOKENS), (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def test_gguf_model_takes_it_and_says_so(gguf_llm):
+    mix, llm = gguf_llm
+    runner = llm.engine.executor
+    layer = runner.model.layers[0]
+    mats = (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    assert all(isinstance(m.quant, GGUFWeight) for m in mats)
+    assert tuple(m.quant.kinds() for m in mats) == GGUF_KINDS[mix]
+    assert all(m.int4 is None for m in runner.model.modules() if isinstance(m, Linear))
+    assert runner.decode_stack is not None
+    assert runner.decode_stack.max_rows == runner.decode_stack_max_tokens
+    assert "all layers in one C call" in runner.kernel_summary
+
+
+def test_gguf_steps_give_the_python_layers_hidden_states_bit_for_bit(gguf_llm):
+    _, llm = gguf_llm
+    # 9 decode rows (AMX tiles for a q4 part where there are any) after 20, 7, 33, ... tokens
+    seqs, first = [], 3
+    for i in range(9):
+        cached = [20, 7, 33][i] if i < 3 else 7 + 13 * i
+        blocks = list(range(first, first + cached // 16 + 1))
+        first += len(blocks)
+        seqs.append((cached, 1, blocks))
+    got, expected, same_kv = hidden_both_ways(llm, seqs, gguf_ids(9))
+    assert got is not None and torch.equal(got, expected) and same_kv
+    if not llm.engine.executor.decode_stack.takes_prompts:
+        return
+    # decodes around two prompt chunks, the last layer on the sampled rows alone
+    seqs = [(5, 1, [1]), (20, 30, [5, 6, 7, 8]), (9, 1, [9]), (0, 37, [10, 11, 12])]
+    ids = gguf_ids(69, seed=1)
+    for sample in (None, [True, False, True, True]):
+        got, expected, same_kv = hidden_both_ways(llm, seqs, ids, sample)
+        assert got is not None and torch.equal(got, expected) and same_kv
+
+
+def test_gguf_generation_is_the_same_with_and_without_it(gguf_llm):
+    _, llm = gguf_llm
+    reqs = [gguf_ids(4 + 5 * i, seed=i).tolist() for i in range(5)]
+    params = [SamplingParams(temperature=0, max_tokens=6 + 3 * i, logprobs=2) for i in range(5)]
+    assert_same_generation_without_it(llm, reqs, params)
