@@ -139,12 +139,12 @@ class DecodeStack:
         kernels: _Kernels,
         layers: list[_Layer],
         max_rows: int,
-        projs: list[_Proj] = (),
+        projs: list[_Proj] | None = None,
     ) -> None:
         spec = model.spec
         self.fn, self.model, self.attn = fn, model, attn
         self.max_rows = max_rows
-        self.projs = list(projs)  # the layers point at these (and their parts' tables)
+        self.projs = projs or []  # the layers point at these (and their parts' tables)
         self.kernels = kernels
         self.final_norm = model.norm.weight.data_ptr()
         self.layers = (_Layer * len(layers))(*layers)
@@ -225,7 +225,7 @@ class DecodeStack:
             _address(quant.fns["q4"]),
             _address(decode.fn),
             _address(attn.prefill_kernel.fn) if attn.prefill_kernel is not None else None,
-            _address(quant._gguf),
+            _address(quant._gguf),  # gguf_matmul_bf16, as QuantMatmul.gguf calls it
             _address(quant.fns["q8"]),
         )
         return cls(fn, model, attn, kernels, layers, max_rows, projs)
