@@ -55,6 +55,12 @@ typedef void (*prefill_fn)(const uint16_t *q, int64_t q_stride, const uint16_t *
                            int64_t n, int64_t ctx, int64_t Hq, int64_t Hkv, int64_t D, float scale,
                            uint16_t *out, int64_t out_stride, uint16_t *scratch);
 
+typedef void (*prefill_many_fn)(int64_t num, const uint16_t *const *q,
+                                const int64_t *const *blocks, const int64_t *n, const int64_t *ctx,
+                                uint16_t *const *out, int64_t q_stride, const uint16_t *k_cache,
+                                const uint16_t *v_cache, int64_t block_size, int64_t Hq,
+                                int64_t Hkv, int64_t D, float scale, int64_t out_stride);
+
 /* Fixed for the life of the model (mirrored by ctypes Structures in decode_stack.py). */
 struct kernels {
     norm_fn norm;
@@ -65,6 +71,7 @@ struct kernels {
     prefill_fn prefill; /* NULL: steps with prompt tokens are not taken */
     gguf_fn gguf;       /* gguf_matmul_bf16 */
     q8_fn q8;           /* q8_matmul_bf16 */
+    prefill_many_fn prefill_many; /* paged_prefill_bf16_many: every prompt chunk at once */
 };
 
 struct shape {
@@ -175,6 +182,12 @@ void decode_stack_bf16(const struct kernels *k, const struct shape *s, const str
                 store_new_tokens(kn, qkv_row, kn + kv_size, qkv_row, ly->k_cache, ly->v_cache,
                                  st->slots + p->start, p->n, Hkv, 2, (int)D);
         }
+        /* the prompt chunks (with batch invariance every decode token is one) in one call */
+        const int64_t P = st->num_parts;
+        const uint16_t *pq[P];
+        const int64_t *pb[P];
+        int64_t pn[P], pc[P], np = 0;
+        uint16_t *po[P];
         for (int64_t i = 0; i < st->num_parts; i++) {
             const struct part *p = &st->parts[i];
             if (kept_only && p->kept < 0)
@@ -184,7 +197,10 @@ void decode_stack_bf16(const struct kernels *k, const struct shape *s, const str
             const uint16_t *q = qkv + (p->start + skip) * qkv_row, *kn = q + q_size,
                            *vn = kn + kv_size;
             uint16_t *a = (uint16_t *)buf->attn + (kept_only ? p->kept : p->start) * q_size;
-            if (p->prefill)
+            if (p->prefill && k->prefill_many) {
+                pq[np] = q, pb[np] = p->blocks, pn[np] = p->n - skip, pc[np] = p->max_len;
+                po[np++] = a;
+            } else if (p->prefill)
                 k->prefill(q, qkv_row, ly->k_cache, ly->v_cache, p->blocks, s->block_size,
                            p->n - skip, p->max_len, Hq, Hkv, D, s->scale, a, q_size,
                            st->prefill_scratch);
@@ -193,6 +209,9 @@ void decode_stack_bf16(const struct kernels *k, const struct shape *s, const str
                              st->slots + p->start, p->blocks, p->max_blocks, p->context_lens,
                              p->n, Hq, Hkv, s->block_size, p->max_len, s->scale, a);
         }
+        if (np) /* (after the decode parts: no chunk reads a block a decode token fills) */
+            k->prefill_many(np, pq, pb, pn, pc, po, qkv_row, ly->k_cache, ly->v_cache,
+                            s->block_size, Hq, Hkv, D, s->scale, q_size);
         if (kept_only) { /* x's kept rows (ascending) to its first K */
             R = st->K;
             for (int64_t r = 0; r < R; r++)

@@ -674,3 +674,77 @@ void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_c
     paged_prefill_bf16_win(q, q_stride, k_cache, v_cache, blocks, block_size, n, ctx, Hq, Hkv, D,
                            scale, 0, 0.f, out, out_stride, scratch);
 }
+
+/* Many requests' chunks in one call (the C layer loop's step: with batch invariance each decode
+ * token is a chunk of one). One call per chunk made a parallel region per request and layer,
+ * each with 3 KV heads' single tile to share between the threads and two barriers: in a
+ * 16-request decode step the threads spent most of attention waiting (docs/performance.md,
+ * session 24). Here every chunk's packing, then every chunk's tiles, are one pool of items for
+ * the threads; each (chunk, head, tile) is computed by the same code as alone, so a token's
+ * numbers do not change. Chunk i: its queries q[i] (rows q_stride apart), n[i] of them, the
+ * last of a context of ctx[i] tokens in blocks[i]; output to out[i]. Full attention, no
+ * soft-capping. The packed V of every chunk lives in a buffer kept between calls. */
+void paged_prefill_bf16_many(int64_t num, const uint16_t *const *q, const int64_t *const *blocks,
+                             const int64_t *n, const int64_t *ctx, uint16_t *const *out,
+                             int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                             int64_t block_size, int64_t Hq, int64_t Hkv, int64_t D, float scale,
+                             int64_t out_stride)
+{
+    static uint16_t *buffer;
+    static int64_t buffer_bytes;
+    int64_t *at = malloc((size_t)(3 * num + 3) * sizeof(int64_t));
+    int64_t *packs = at + num + 1, *tiles = packs + num + 1; /* prefix sums of items */
+    at[0] = packs[0] = tiles[0] = 0;
+    for (int64_t i = 0; i < num; i++) {
+        at[i + 1] = at[i] + paged_prefill_scratch_bytes(ctx[i], Hkv, D);
+        packs[i + 1] = packs[i] + Hkv * ((ctx[i] + KC - 1) / KC);
+        tiles[i + 1] = tiles[i] + Hkv * ((n[i] * (Hq / Hkv) + QT - 1) / QT);
+    }
+    if (at[num] > buffer_bytes) {
+        free(buffer);
+        buffer = aligned_alloc(64, (size_t)((at[num] + 63) / 64 * 64));
+        buffer_bytes = at[num];
+    }
+#ifdef HAVE_AMX
+#pragma omp parallel
+    {
+        int64_t i = 0;
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < packs[num]; item++) {
+            while (item >= packs[i + 1])
+                i++;
+            while (item < packs[i])
+                i--;
+            const int64_t chunks = (ctx[i] + KC - 1) / KC, hc = item - packs[i];
+            pack_vt(v_cache, blocks[i], block_size, 0, ctx[i], Hkv, D, hc / chunks, hc % chunks,
+                    (uint16_t *)((char *)buffer + at[i]) + hc * D * KC);
+        }
+        struct tile_config cfg = {.palette = 1};
+        for (int t = 0; t < 8; t++) {
+            cfg.rows[t] = 16;
+            cfg.bytes_per_row[t] = 64;
+        }
+        _tile_loadconfig(&cfg);
+        i = 0;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < tiles[num]; item++) {
+            while (item >= tiles[i + 1])
+                i++;
+            while (item < tiles[i])
+                i--;
+            const int64_t own = item - tiles[i], count = (tiles[i + 1] - tiles[i]) / Hkv;
+            const int64_t tile = count - 1 - own / Hkv, h = own % Hkv;
+            attend_tile(q[i], q_stride, k_cache, (uint16_t *)((char *)buffer + at[i]), blocks[i],
+                        block_size, n[i], ctx[i], Hq, Hkv, D, h, tile * QT, scale, 0, 0.f, out[i],
+                        out_stride);
+        }
+        _tile_release();
+    }
+#else
+    for (int64_t i = 0; i < num; i++)
+        paged_prefill_bf16_win(q[i], q_stride, k_cache, v_cache, blocks[i], block_size, n[i],
+                               ctx[i], Hq, Hkv, D, scale, 0, 0.f, out[i], out_stride,
+                               (uint16_t *)((char *)buffer + at[i]));
+#endif
+    free(at);
+}

@@ -43,6 +43,7 @@ class PagedPrefillKernel:
         self.fn.argtypes, self.fn.restype = _ARGTYPES, None
         self.fn_win = lib.paged_prefill_bf16_win  # with a window and soft-capping
         self.fn_win.argtypes, self.fn_win.restype = _ARGTYPES_WIN, None
+        self.fn_many = lib.paged_prefill_bf16_many  # many chunks at once (the C layer loop)
         self.scratch_bytes = lib.paged_prefill_scratch_bytes
         self.scratch_bytes.argtypes, self.scratch_bytes.restype = [_i64] * 3, _i64
         self.head_dim = head_dim

@@ -36,7 +36,17 @@ _ptr, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 class _Kernels(ctypes.Structure):
     _fields_ = [
         (name, _ptr)
-        for name in ("norm", "rotary", "silu", "q4", "attention", "prefill", "gguf", "q8")
+        for name in (
+            "norm",
+            "rotary",
+            "silu",
+            "q4",
+            "attention",
+            "prefill",
+            "gguf",
+            "q8",
+            "prefill_many",
+        )
     ]
 
 
@@ -227,6 +237,7 @@ class DecodeStack:
             _address(attn.prefill_kernel.fn) if attn.prefill_kernel is not None else None,
             _address(quant._gguf),  # gguf_matmul_bf16, as QuantMatmul.gguf calls it
             _address(quant.fns["q8"]),
+            _address(attn.prefill_kernel.fn_many) if attn.prefill_kernel is not None else None,
         )
         return cls(fn, model, attn, kernels, layers, max_rows, projs)
 
