@@ -45,7 +45,8 @@ PLACES = [
     ("C decode attention", re.compile(r"paged_decode|decode_attn")),
     ("C norm/rotary/SiLU", re.compile(r"rms|rotary|silu|add_rms")),
     ("oneDNN / torch kernels", re.compile(r"dnnl|mkldnn|at::native|at::internal|aten|mkl_")),
-    ("OpenMP wait", re.compile(r"gomp|GOMP|futex|sched_yield|do_spin|do_wait")),
+    # (waiting only: GOMP_parallel, a region's entry, is every kernel's ancestor)
+    ("OpenMP wait", re.compile(r"gomp_\w*(barrier|wait)|futex|sched_yield|do_spin|do_wait")),
     ("waiting for requests (zmq poll)", re.compile(r"zmq_poll|poll \(zmq|epoll|\bpoll\b")),
 ]
 
@@ -120,25 +121,44 @@ def summarize_trace(path: Path, model: dict, peak: dict) -> dict:
     return out
 
 
-def summarize_samples(path: Path) -> dict[str, float]:
-    """py-spy's raw output: 'frame;frame;...;leaf count' per line, root first."""
-    places: Counter = Counter()
-    total = 0
+def summarize_samples(path: Path) -> dict[str, dict[str, float]]:
+    """py-spy's raw output with --threads: 'thread;frame;...;leaf count' per line, root first.
+    Shares per thread: the main thread (the one running the engine loop's Python) and the
+    OpenMP workers (the rest)."""
+    lines = []
+    main_threads = set()
     for line in path.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
-        if not count.isdigit():
-            continue
-        n = int(count)
-        total += n
-        frames = stack.split(";")[::-1]  # leaf first
-        place = "Python (interpreter, torch dispatch, sampling)"
-        for frame in frames:
-            hit = next((name for name, rx in PLACES if rx.search(frame)), None)
-            if hit:
-                place = hit
-                break
-        places[place] += n
-    return {name: n / total for name, n in places.most_common()} if total else {}
+        if count.isdigit():
+            frames = stack.split(";")
+            lines.append((frames[0], frames[1:], int(count)))
+            if any("_loop" in f and "core_process" in f for f in frames):
+                main_threads.add(frames[0])
+    out: dict[str, Counter] = {"main thread": Counter(), "other threads": Counter()}
+    leaves: Counter = Counter()
+    for thread, frames, n in lines:
+        group = "main thread" if thread in main_threads else "other threads"
+        out[group][_place(frames[::-1])] += n
+        leaves[frames[-1].split(" (")[0]] += n
+    total = sum(leaves.values())
+    print(
+        "  top leaf frames: "
+        + ", ".join(f"{k} {100 * v / total:.1f} %" for k, v in leaves.most_common(12))
+    )
+    return {
+        group: {name: n / sum(c.values()) for name, n in c.most_common()}
+        for group, c in out.items()
+        if c
+    }
+
+
+def _place(frames: list[str]) -> str:
+    """Where a sample was, from its frames leaf first."""
+    for frame in frames:
+        hit = next((name for name, rx in PLACES if rx.search(frame)), None)
+        if hit:
+            return hit
+    return "Python (interpreter, torch dispatch, sampling)"
 
 
 def main() -> None:
@@ -187,6 +207,7 @@ def main() -> None:
                     str(Path(sys.executable).parent / "py-spy"),
                     "record",
                     "--native",
+                    "--threads",
                     "--rate",
                     "200",
                     "--format",
@@ -229,9 +250,8 @@ def main() -> None:
             f"the matmul peak; {s['gbps']:.1f} GB/s = {100 * s['fraction_of_read_peak']:.1f} % "
             "of the read peak"
         )
-    print(
-        "  engine process samples: " + ", ".join(f"{k} {100 * v:.1f} %" for k, v in where.items())
-    )
+    for group, shares in where.items():
+        print(f"  engine {group}: " + ", ".join(f"{k} {100 * v:.1f} %" for k, v in shares.items()))
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
 
