@@ -420,23 +420,22 @@ def build_model(
     # A GGUF import whose projections are K-quants or Q8_0 (it kept their blocks): each
     # projection is served from the file's own values where they are exactly its weights.
     blocks = gguf_blocks(model_dir) if quantization == "auto" and device.type == "cpu" else {}
-    if blocks and tp is not None:
+    why_not = (
+        "servelm's C kernel serves them as they are only in bfloat16 on a CPU where it is built"
+        if quant_kernel is None or dtype != torch.bfloat16
+        else "their blocks are not split across tensor-parallel ranks"
+        if tp is not None
+        else None
+    )
+    if blocks and why_not:
         logger.info(
-            "GGUF quantized weights in %s dequantized to %s: their blocks are not split "
-            "across tensor-parallel ranks",
+            "GGUF quantized weights in %s dequantized to %s: %s",
             model_dir,
             str(dtype).replace("torch.", ""),
+            why_not,
         )
         blocks = {}
     slicer = TPSlicer(spec, tp) if tp is not None else None
-    if blocks and (quant_kernel is None or dtype != torch.bfloat16):
-        logger.info(
-            "GGUF quantized weights in %s dequantized to %s: servelm's C kernel serves them "
-            "as they are only in bfloat16 on a CPU where it is built",
-            model_dir,
-            str(dtype).replace("torch.", ""),
-        )
-        blocks = {}
     projections = any(name.endswith("proj.weight") for name in blocks)
     int4 = not projections and (
         quantization == "int4"
