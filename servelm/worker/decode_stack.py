@@ -190,6 +190,8 @@ class DecodeStack:
             return None
         if not model.c_layer_loop():  # a family whose layers do more than the Llama layer's
             return None
+        if any(getattr(m, "reduce", None) for m in model.modules()):
+            return None  # a tensor-parallel rank: its partial sums are reduced between layers
         norms = [model.norm.weight]
         for layer in model.layers:
             norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]

@@ -164,8 +164,7 @@ class ModelRunner:
         self.attn = TorchPagedAttention.for_model(
             self.spec, caches, self.block_size, decode, prefill, self.batch_invariant
         )
-        # (the C layer loop runs whole layers: no place for the ranks' sums between them)
-        self.decode_stack = DecodeStack.build(self.model, self.attn) if self.tp is None else None
+        self.decode_stack = DecodeStack.build(self.model, self.attn)
         self.num_blocks = num_blocks
 
     @property
