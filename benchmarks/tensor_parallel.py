@@ -1,5 +1,6 @@
 """Step time at tensor-parallel size 1 and 2 on this machine's cores, servelm's real loader and
-engine: one process with every core against two ranks sharing them (one thread each, gloo).
+engine: one process with every core against two ranks sharing them (one thread each; their
+all-reduces through shared memory, or through gloo with SERVELM_TP_SHM=0).
 
     .venv/bin/python -m benchmarks.tensor_parallel                     # 12 layers, hidden 1024
     .venv/bin/python -m benchmarks.tensor_parallel --rounds 3 --json out.json
@@ -16,35 +17,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import tempfile
 import time
 from pathlib import Path
 
-DIMS = dict(
-    hidden_size=1024,
-    intermediate_size=2816,
-    num_hidden_layers=12,
-    num_attention_heads=16,
-    num_key_value_heads=4,
-    head_dim=64,
-)
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
+# benchmarks/gguf_types.py's model: 16 query heads over 4 KV heads, so that 2 ranks can split it
+DIMS = dict(layers=12, hidden=1024, ffn=2816, heads=16, kv_heads=4)
 
 
 def make_model(folder: Path, layers: int) -> Path:
+    from benchmarks.gguf_types import random_weights, write_gguf
     from servelm.store.gguf_import import import_gguf
-    from tests.store.gguf_models import Q, all_of, tiny_hf_model, write_family_gguf
 
-    hf = tiny_hf_model("llama", **{**DIMS, "num_hidden_layers": layers})
-    src = write_family_gguf(folder / "model.gguf", hf, "llama", all_of(Q.Q4_1))
-    return import_gguf(src, folder / "model")
+    dims = {**DIMS, "layers": layers}
+    write_gguf(folder / "model.gguf", random_weights(dims), "Q4_1", dims)
+    return import_gguf(folder / "model.gguf", folder / "model")
 
 
 def measure(model_dir: Path, tp: int, tokens: int) -> dict:
@@ -89,8 +76,10 @@ def measure(model_dir: Path, tp: int, tokens: int) -> dict:
 
 
 def main() -> None:
+    from benchmarks.gguf_types import cpu_name
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=DIMS["num_hidden_layers"])
+    parser.add_argument("--layers", type=int, default=DIMS["layers"])
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--json", type=Path, default=None)
