@@ -33,6 +33,21 @@ def engine_child(api_pid: int) -> int | None:
     return None
 
 
+def kill_mid_stream(base_url: str, victim: int, after: int = 3) -> list[str]:
+    """Stream a long completion and SIGKILL process `victim` once `after` events have arrived;
+    returns every SSE line the stream then delivered (how it ended is the caller's question)."""
+    body = {"prompt": [7] * 50, "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    events: list[str] = []
+    with httpx.stream("POST", base_url + "/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if not line:
+                continue
+            events.append(line)
+            if len(events) == after:
+                os.kill(victim, signal.SIGKILL)
+    return events
+
+
 class LiveServer:
     def __init__(
         self,

@@ -7,7 +7,7 @@ import time
 import httpx
 import pytest
 
-from tests.live_server import LiveServer, engine_child
+from tests.live_server import LiveServer, engine_child, kill_mid_stream
 
 
 @pytest.fixture
@@ -19,15 +19,7 @@ def doomed_server(tiny_model_dir):
 
 def test_engine_death_ends_streams_and_turns_health_503(doomed_server):
     srv = doomed_server
-    body = {"prompt": [7] * 50, "max_tokens": 3000, "ignore_eos": True, "stream": True}
-    events = []
-    with httpx.stream("POST", srv.base_url + "/completions", json=body, timeout=30) as r:
-        for line in r.iter_lines():
-            if not line:
-                continue
-            events.append(line)
-            if len(events) == 3:
-                os.kill(srv.engine_pid(), signal.SIGKILL)
+    events = kill_mid_stream(srv.base_url, srv.engine_pid())
     assert events[-1] == "data: [DONE]"
     assert '"error"' in events[-2]
     assert httpx.get(srv.url + "/health").status_code == 503
