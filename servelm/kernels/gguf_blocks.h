@@ -130,6 +130,52 @@ INLINE int unpack_block(int type, const uint8_t *blk, float *w, float *mins)
 /* The per-block numbers a block's chunks are scaled by, in p[16]: Q4_K, Q5_K: the 8 (dmin * m)
  * in p[0..7] and the 8 (d * sc) in p[8..15]; Q6_K: its 16 (d * sc); Q8_0: d in p[0]. Each is
  * exact in float32 (a float16 times a 6- or 8-bit integer). */
+#if defined(__AVX2__) && defined(__F16C__)
+/* The 16 integers (Q6_K's int8 scales, or Q4_K's m0-7 then sc0-7: llama.cpp's
+ * get_scale_min_k4 on the 32-bit words u0, u1, u2 at blk + 4) made in a register. Made as
+ * bytes on the stack, they were stored 8 at a time and loaded 16 at a time, a load the CPU
+ * cannot forward from the stores: a third of a Q4_K decode matmul's time (docs/performance.md,
+ * session 25). */
+INLINE __m128i kq_ints(const int type, const uint8_t *blk)
+{
+    if (type == GGUF_Q6_K)
+        return _mm_loadu_si128((const __m128i *)(blk + 192));
+    const __m128i u = _mm_loadu_si128((const __m128i *)(blk + 4)); /* (4 bytes of qs spare) */
+    const __m128i a = _mm_shuffle_epi32(u, _MM_SHUFFLE(2, 0, 2, 1));  /* u1, u2, u0, u2 */
+    const __m128i b = _mm_shuffle_epi32(u, _MM_SHUFFLE(0, 0, 1, 1));  /* -, u1, -, u0 */
+    const __m128i low = _mm_and_si128(_mm_srlv_epi32(a, _mm_setr_epi32(0, 4, 0, 0)),
+                                      _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f,
+                                                     0x0f0f0f0f));
+    const __m128i high =
+        _mm_and_si128(_mm_srli_epi32(b, 2), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+    return _mm_or_si128(low, high);
+}
+
+INLINE void kq_prep(const int type, const uint8_t *blk, float *p)
+{
+    if (type == GGUF_Q8_0) {
+        p[0] = half_at(blk);
+        return;
+    }
+    const __m128i v = kq_ints(type, blk);
+    /* what b[8..15] and b[0..7] are multiplied by */
+    const float d = type == GGUF_Q6_K ? half_at(blk + 208) : half_at(blk);
+    const float lo = type == GGUF_Q6_K ? d : half_at(blk + 2);
+#if defined(__AVX512F__)
+    const __m512i i = type == GGUF_Q6_K ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v);
+    const __m512 f = _mm512_insertf32x8(_mm512_set1_ps(lo), _mm256_set1_ps(d), 1);
+    _mm512_storeu_ps(p, _mm512_mul_ps(_mm512_cvtepi32_ps(i), f));
+#else
+    for (int h = 0; h < 2; h++) {
+        const __m128i part = h ? _mm_srli_si128(v, 8) : v;
+        const __m256i i =
+            type == GGUF_Q6_K ? _mm256_cvtepi8_epi32(part) : _mm256_cvtepu8_epi32(part);
+        const __m256 f = _mm256_set1_ps(h ? d : lo);
+        _mm256_storeu_ps(p + 8 * h, _mm256_mul_ps(_mm256_cvtepi32_ps(i), f));
+    }
+#endif
+}
+#else
 INLINE void kq_prep(const int type, const uint8_t *blk, float *p)
 {
     if (type == GGUF_Q8_0) {
@@ -142,34 +188,14 @@ INLINE void kq_prep(const int type, const uint8_t *blk, float *p)
         memcpy(b, blk + 192, 16);
         d = lo = half_at(blk + 208);
     } else {
-        uint32_t u[3]; /* llama.cpp's get_scale_min_k4 on 32-bit words */
-        memcpy(u, blk + 4, sizeof u);
-        const uint32_t words[4] = {
-            u[1] & 0x3f3f3f3fu,                                                  /* m0-3 */
-            ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4),  /* m4-7 */
-            u[0] & 0x3f3f3f3fu,                                                  /* sc0-3 */
-            (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4)};         /* sc4-7 */
-        memcpy(b, words, sizeof b);
+        scale_min_k4(blk + 4, b + 8, b);
         d = half_at(blk);
         lo = half_at(blk + 2);
     }
-#if defined(__AVX512F__)
-    const __m128i v = _mm_loadu_si128((const __m128i *)b);
-    const __m512i i = type == GGUF_Q6_K ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v);
-    const __m512 f = _mm512_insertf32x8(_mm512_set1_ps(lo), _mm256_set1_ps(d), 1);
-    _mm512_storeu_ps(p, _mm512_mul_ps(_mm512_cvtepi32_ps(i), f));
-#elif defined(__AVX2__)
-    for (int h = 0; h < 2; h++) {
-        const __m128i v = _mm_loadl_epi64((const __m128i *)(b + 8 * h));
-        const __m256i i = type == GGUF_Q6_K ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v);
-        const __m256 f = _mm256_set1_ps(h ? d : lo);
-        _mm256_storeu_ps(p + 8 * h, _mm256_mul_ps(_mm256_cvtepi32_ps(i), f));
-    }
-#else
     for (int i = 0; i < 16; i++)
         p[i] = (i < 8 ? lo : d) * (float)(type == GGUF_Q6_K ? (int)(int8_t)b[i] : (int)b[i]);
-#endif
 }
+#endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__F16C__)
 /* With AVX-512 BF16: each chunk of 32 quants becomes the bfloat16 numbers q (Q6_K: q - 32),
@@ -381,6 +407,9 @@ INLINE float kq_sum(kq_acc acc) { return lanes_sum8(_mm256_add_ps(acc.a[0], acc.
 #endif
 
 #ifdef KQ_SIMD
+#ifndef KQ_PREFETCH_ROWS
+#define KQ_PREFETCH_ROWS 8
+#endif
 /* The SIMD paths: each output y[b, n] is sum over W's blocks k, in order, of its chunks' dots
  * (kq_madd), then the block's mins (kq_mins), summed across lanes at the end: the same operations
  * whatever B and however the rows are grouped, so batch invariant. */
@@ -406,9 +435,16 @@ INLINE void kq_fused(const int type, const int R, const int B, const uint16_t *x
     for (int b = 0; b < B; b++)
         for (int r = 0; r < R; r++)
             acc[b][r] = kq_zero();
+    /* the rows KQ_PREFETCH_ROWS on (a later pass's, in this thread's range: static schedule),
+     * spread over this pass's blocks, so that memory is read while this pass computes */
+    const uint8_t *ahead = w + (n0 + KQ_PREFETCH_ROWS) * row_bytes;
+    const int64_t ahead_bytes = (int64_t)R * block_bytes; /* per block of this pass */
     for (int64_t k = 0; k < blocks; k++) {
         const uint8_t *blk[KQ_FUSED_ROWS];
         float p[KQ_FUSED_ROWS][16];
+        if (KQ_PREFETCH_ROWS)
+            for (int64_t o = 0; o < ahead_bytes; o += 64)
+                __builtin_prefetch(ahead + k * ahead_bytes + o, 0, 3);
         for (int r = 0; r < R; r++) {
             blk[r] = w + (n0 + r) * row_bytes + k * block_bytes;
             kq_prep(type, blk[r], p[r]);
