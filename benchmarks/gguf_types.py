@@ -9,7 +9,8 @@ The same random weights are written three times with the `gguf` package: Q4_K wi
 in Q6_K (the Q4_K_M recipe; K-quants made with tests/gguf_kquants.py, since the `gguf` package
 cannot), every projection Q4_1 (the default model's form), and F32 (served as bf16). Each file
 is imported and served in bfloat16 with one request; a decode token's time is
-(time of 1 + N tokens - time of 1 token) / N, the fastest of --rounds. "bytes / token" is
+(time of 1 + N tokens - time of 1 token) / N, the fastest of --rounds, the forms taking turns
+round after round (every round is in the JSON). "bytes / token" is
 what a decode step reads of the weights: every projection in the form it is served in, plus
 the head (float32 here; the tiny vocabulary makes it negligible).
 Prints a table and, with --json, writes it with the CPU's model name.
@@ -97,34 +98,45 @@ def random_weights(dims: dict, seed: int = 0) -> dict[str, np.ndarray]:
     return out
 
 
-def decode_ms(
-    folder: Path, tokens: int, rounds: int, threads: int | None = None
-) -> tuple[float, int, str]:
-    """ms per decode token, bytes of weights a decode step reads, and how it was served."""
-    from servelm import LLM, SamplingParams
+class Served:
+    """One form's model loaded by servelm, timed a round at a time."""
 
-    llm = LLM(
-        str(folder), dtype="bfloat16", kv_cache_memory="64MiB", device="cpu", num_threads=threads
-    )
-    model = llm.engine.executor.model
+    def __init__(self, folder: Path, threads: int | None = None) -> None:
+        from servelm import LLM
 
-    def run(n: int) -> float:
+        self.llm = llm = LLM(
+            str(folder),
+            dtype="bfloat16",
+            kv_cache_memory="64MiB",
+            device="cpu",
+            num_threads=threads,
+        )
+        model = llm.engine.executor.model
+        head = model.logits_head
+        # bytes of weights a decode step reads
+        self.read = model.weight_bytes - model.embed_tokens.weight.nbytes
+        if (
+            head.weight is not None
+            and head.weight.data_ptr() != model.embed_tokens.weight.data_ptr()
+        ):
+            self.read += head.weight.nbytes
+        self.served = (
+            f"{model.gguf_layers} GGUF-kept, {model.int4_layers} int4 projections"
+            f"{', C layer loop' if llm.engine.executor.decode_stack is not None else ''}"
+        )
+        self._run(4)  # warm-up
+
+    def _run(self, n: int) -> float:
+        from servelm import SamplingParams
+
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
         t0 = time.perf_counter()
-        llm.generate([[3, 4, 5, 6, 7, 8]], params)
+        self.llm.generate([[3, 4, 5, 6, 7, 8]], params)
         return time.perf_counter() - t0
 
-    run(4)  # warm-up
-    best = min((run(1 + tokens) - run(1)) / tokens for _ in range(rounds))
-    head = model.logits_head
-    read = model.weight_bytes - model.embed_tokens.weight.nbytes
-    if head.weight is not None and head.weight.data_ptr() != model.embed_tokens.weight.data_ptr():
-        read += head.weight.nbytes
-    served = (
-        f"{model.gguf_layers} GGUF-kept, {model.int4_layers} int4 projections"
-        f"{', C layer loop' if llm.engine.executor.decode_stack is not None else ''}"
-    )
-    return best * 1e3, read, served
+    def round_ms(self, tokens: int) -> float:
+        """ms per decode token: (time of 1 + N tokens - time of 1 token) / N."""
+        return (self._run(1 + tokens) - self._run(1)) / tokens * 1e3
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,19 +167,35 @@ def main(argv: list[str] | None = None) -> int:
     from servelm.store.gguf_import import import_gguf
 
     weights = random_weights(dims)
-    rows = []
+    forms = args.forms.split(",")
     with tempfile.TemporaryDirectory() as tmp:
-        for form in args.forms.split(","):
+        served = {}
+        for form in forms:
             src = Path(tmp) / f"{form}.gguf"
             write_gguf(src, weights, form, dims)
-            folder = import_gguf(src, Path(tmp) / form)
-            ms, read, served = decode_ms(folder, args.tokens, args.rounds, args.threads)
-            rows.append(dict(form=form, ms_per_token=ms, bytes_per_token=read, served=served))
-            print(
-                f"{form:7s} {ms:8.2f} ms/token  {read / 2**20:8.1f} MiB/token  "
-                f"{read / 1e6 / ms:6.2f} GB/s  ({served})",
-                flush=True,
+            served[form] = Served(import_gguf(src, Path(tmp) / form), args.threads)
+        # the forms in turn, round after round: the machine's drift meets each of them alike
+        times: dict[str, list[float]] = {form: [] for form in forms}
+        for _ in range(args.rounds):
+            for form in forms:
+                times[form].append(served[form].round_ms(args.tokens))
+    rows = []
+    for form in forms:
+        ms, read = min(times[form]), served[form].read
+        rows.append(
+            dict(
+                form=form,
+                ms_per_token=ms,
+                rounds_ms=times[form],
+                bytes_per_token=read,
+                served=served[form].served,
             )
+        )
+        print(
+            f"{form:7s} {ms:8.2f} ms/token  {read / 2**20:8.1f} MiB/token  "
+            f"{read / 1e6 / ms:6.2f} GB/s  ({served[form].served})",
+            flush=True,
+        )
     result = dict(cpu=cpu_name(), dims=dims, tokens=args.tokens, threads=args.threads, results=rows)
     print(json.dumps(result, indent=2))
     if args.json:
