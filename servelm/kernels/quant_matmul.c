@@ -542,38 +542,80 @@ static void store_tile(int tile, int rows, uint16_t *y, int64_t y_stride)
         store_bf16(y + r * y_stride, _mm512_load_ps(buf + 16 * r));
 }
 
+/* Software prefetch of the quants, in groups ahead of the one unpacked (0: none). The tile path
+ * does little else per byte at a few rows of x, so without it the unpacking waits on memory
+ * (docs/performance.md, session 25). */
+#ifndef AMX_PREFETCH
+#define AMX_PREFETCH 4
+#endif
+/* W tiles that serve one call of gemm_block only (a chunk of at most two x tiles: decode) go
+ * through a ring of this many groups' tiles, which stays in L1, instead of a buffer of all G. */
+#ifndef AMX_RING
+#define AMX_RING 4
+#endif
+
+/* The block whose quants start at q: its group h's cache lines on their way to L1. Past the
+ * block's G groups, the same groups of the block two on: the thread's next pair (blocks are
+ * walked in pairs, q0 then q1, and threads take consecutive pairs). */
+INLINE void prefetch_group(const uint8_t *q, int64_t h, int64_t G)
+{
+    const char *p = (const char *)(q + (h < G ? h : h + G) * Q4_BYTES);
+    for (int line = 0; line < Q4_BYTES / 64; line++)
+        _mm_prefetch(p + 64 * line, _MM_HINT_T0);
+}
+
+/* With q0 (and q1), the quants of one (two) blocks: their group g unpacked into W tiles, at
+ * w0 (w1) + PAIR_ROWS * 32 * (g & ring). */
+INLINE void dequant_groups(const uint8_t *q0, const uint8_t *q1, uint16_t *w0, uint16_t *w1,
+                           int64_t g, int64_t G, int64_t ring)
+{
+    if (AMX_PREFETCH) {
+        prefetch_group(q0, g + AMX_PREFETCH, G);
+        if (w1)
+            prefetch_group(q1, g + AMX_PREFETCH, G);
+    }
+    dequant_group(q0 + g * Q4_BYTES, w0 + PAIR_ROWS * 32 * (g & ring));
+    if (w1)
+        dequant_group(q1 + g * Q4_BYTES, w1 + PAIR_ROWS * 32 * (g & ring));
+}
+
 /* Two x tiles xa, xb (xb may be NULL) by the W tiles of one or two blocks (w1 may be NULL),
  * summed over all G groups in accumulator tiles 0-3: [xa w0, xa w1, xb w0, xb w1]. With q0
- * (and q1), the blocks' quants, the W tiles are unpacked first, group by group, so that the
- * unpacking overlaps the tile unit's work. ra, rb: rows of ya, yb to write. */
-static void gemm_block(const uint16_t *xa, int ra, const uint16_t *xb, int rb, uint16_t *w0,
-                       uint16_t *w1, const uint8_t *q0, const uint8_t *q1, uint16_t *ya,
-                       uint16_t *yb, int64_t N, int64_t G)
+ * (and q1), the blocks' quants, the W tiles are unpacked first, a group ahead of the tile
+ * unit, so that the unpacking overlaps its work and a tile is not loaded while the stores that
+ * wrote it are still on their way; ring: W tile g is at w + PAIR_ROWS * 32 * (g & ring) (-1:
+ * every group its own). x_stride: bytes between an x tile's rows; ra, rb: rows of ya, yb to
+ * write. */
+static void gemm_block(const uint16_t *xa, int ra, const uint16_t *xb, int rb, int64_t x_stride,
+                       int64_t x_group, uint16_t *w0, uint16_t *w1, const uint8_t *q0,
+                       const uint8_t *q1, uint16_t *ya, uint16_t *yb, int64_t N, int64_t G,
+                       int64_t ring)
 {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
+    if (q0)
+        dequant_groups(q0, q1, w0, w1, 0, G, ring);
     for (int64_t g = 0; g < G; g++) {
-        if (q0) {
-            dequant_group(q0 + g * Q4_BYTES, w0 + PAIR_ROWS * 32 * g);
-            if (w1)
-                dequant_group(q1 + g * Q4_BYTES, w1 + PAIR_ROWS * 32 * g);
+        if (q0 && g + 1 < G)
+            dequant_groups(q0, q1, w0, w1, g + 1, G, ring);
+        for (int line = 0; line < ra; line++) { /* the next group's x tiles, on their way to L1 */
+            _mm_prefetch((const char *)(xa + x_group * (g + 1)) + x_stride * line, _MM_HINT_T0);
+            if (xb && line < rb)
+                _mm_prefetch((const char *)(xb + x_group * (g + 1)) + x_stride * line,
+                             _MM_HINT_T0);
         }
-        for (int line = 0; line < 16; line++) { /* the next group's x tiles, on their way to L1 */
-            _mm_prefetch((const char *)(xa + 16 * GROUP * (g + 1)) + 64 * line, _MM_HINT_T0);
-            if (xb)
-                _mm_prefetch((const char *)(xb + 16 * GROUP * (g + 1)) + 64 * line, _MM_HINT_T0);
-        }
-        _tile_loadd(4, xa + 16 * GROUP * g, 64);
-        _tile_loadd(6, w0 + PAIR_ROWS * 32 * g, 64);
+        const uint16_t *wt0 = w0 + PAIR_ROWS * 32 * (g & ring);
+        _tile_loadd(4, xa + x_group * g, x_stride);
+        _tile_loadd(6, wt0, 64);
         _tile_dpbf16ps(0, 4, 6);
         if (w1) {
-            _tile_loadd(7, w1 + PAIR_ROWS * 32 * g, 64);
+            _tile_loadd(7, w1 + PAIR_ROWS * 32 * (g & ring), 64);
             _tile_dpbf16ps(1, 4, 7);
         }
         if (xb) {
-            _tile_loadd(5, xb + 16 * GROUP * g, 64);
+            _tile_loadd(5, xb + x_group * g, x_stride);
             _tile_dpbf16ps(2, 5, 6);
             if (w1)
                 _tile_dpbf16ps(3, 5, 7);
@@ -589,37 +631,47 @@ static void gemm_block(const uint16_t *xa, int ra, const uint16_t *xb, int rb, u
     }
 }
 
-/* y [M, N] = x [M, K] W^T for q4 W on the tile unit. x is first copied tile by tile
- * ([M / 16][G][16 rows][32 inputs], the last tile's missing rows zero), so that each x tile
- * loaded is 1 KiB in one piece. Each thread then takes blocks of W two at a time (32 columns),
- * unpacks them to bfloat16 W tiles in its own buffer as the first two x tiles go through, and
- * runs the rest of the chunk's x tiles through those. */
+/* y [M, N] = x [M, K] W^T for q4 W on the tile unit. Each thread takes blocks of W two at a time
+ * (32 columns), unpacks them to bfloat16 W tiles in its own buffer as the first two x tiles go
+ * through, and runs the rest of the chunk's x tiles through those. Up to 16 rows (decode), the
+ * x tile is x itself, M rows of K apart (the tiles configured to M rows: each row's sums are
+ * the same whatever M). From 17, x is first copied tile by tile ([M / 16][G][16 rows][32
+ * inputs], the last tile's missing rows zero), so that each x tile loaded is 1 KiB in one
+ * piece. */
 static void q4_gemm_amx(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t M, int64_t N,
                         int64_t K)
 {
     const int64_t G = K / GROUP, tiles = (M + 15) / 16, tile = 16 * GROUP, blocks = N / LANES;
     const int64_t chunk = CHUNK_BYTES / (16 * K * 2) > 2 ? CHUNK_BYTES / (16 * K * 2) : 2;
-    uint16_t *xt = aligned_alloc(64, (size_t)(tiles * G * tile) * 2);
+    const int direct = M <= 16;
+    /* an x tile's rows: K apart in x, or GROUP in the copy; its groups GROUP or a tile apart */
+    const int64_t x_stride = direct ? 2 * K : 2 * GROUP, x_group = direct ? GROUP : tile;
+    /* W tiles unpacked for one gemm_block call only: a ring of AMX_RING groups */
+    const int64_t ring = AMX_RING && chunk >= tiles && tiles <= 2 ? AMX_RING - 1 : -1;
+    uint16_t *xt = direct ? NULL : aligned_alloc(64, (size_t)(tiles * G * tile) * 2);
 #pragma omp parallel
     {
+        if (!direct) {
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < tiles; t++)
-            for (int64_t g = 0; g < G; g++)
-                for (int64_t r = 0; r < 16; r++) {
-                    uint16_t *dst = xt + (t * G + g) * tile + r * GROUP;
-                    if (16 * t + r < M)
-                        memcpy(dst, x + (16 * t + r) * K + g * GROUP, GROUP * 2);
-                    else
-                        memset(dst, 0, GROUP * 2);
-                }
+            for (int64_t t = 0; t < tiles; t++)
+                for (int64_t g = 0; g < G; g++)
+                    for (int64_t r = 0; r < 16; r++) {
+                        uint16_t *dst = xt + (t * G + g) * tile + r * GROUP;
+                        if (16 * t + r < M)
+                            memcpy(dst, x + (16 * t + r) * K + g * GROUP, GROUP * 2);
+                        else
+                            memset(dst, 0, GROUP * 2);
+                    }
+        }
         struct tile_config cfg = {.palette = 1};
         for (int t = 0; t < 8; t++) {
-            cfg.rows[t] = 16;
+            cfg.rows[t] = direct && (t < 2 || t == 4) ? (uint8_t)M : 16; /* x and its sums */
             cfg.bytes_per_row[t] = 64;
         }
         _tile_loadconfig(&cfg);
-        uint16_t *w0 = aligned_alloc(64, (size_t)(2 * G * PAIR_ROWS * 32) * 2);
-        uint16_t *w1 = w0 + G * PAIR_ROWS * 32;
+        const int64_t per_block = (ring < 0 ? G : AMX_RING) * PAIR_ROWS * 32;
+        uint16_t *w0 = aligned_alloc(64, (size_t)(2 * per_block) * 2);
+        uint16_t *w1 = w0 + per_block;
         for (int64_t t0 = 0; t0 < tiles; t0 += chunk) {
             const int64_t t1 = t0 + chunk < tiles ? t0 + chunk : tiles;
 #pragma omp for schedule(static)
@@ -630,8 +682,10 @@ static void q4_gemm_amx(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_
                     const int ra = M - 16 * t < 16 ? (int)(M - 16 * t) : 16;
                     const int rb = M - 16 * (t + 1) < 16 ? (int)(M - 16 * (t + 1)) : 16;
                     uint16_t *ya = y + 16 * t * N + 32 * pair;
-                    gemm_block(xt + t * G * tile, ra, t + 1 < t1 ? xt + (t + 1) * G * tile : NULL,
-                               rb, w0, second, q0, q1, ya, ya + 16 * N, N, G);
+                    const uint16_t *xa = direct ? x : xt + t * G * tile;
+                    gemm_block(xa, ra, t + 1 < t1 ? xt + (t + 1) * G * tile : NULL, rb,
+                               x_stride, x_group, w0, second, q0, q1, ya, ya + 16 * N, N, G,
+                               ring);
                 }
             }
         }
