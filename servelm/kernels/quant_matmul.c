@@ -415,22 +415,18 @@ INLINE void Q8_block(const uint16_t *x, const float *xf, const uint8_t *w, float
 
 #endif
 
-/* Every block of W against B <= PASS_B rows of x, the blocks split between the threads. `f` is
- * what the block function reads besides x: group sums (q4; and x in float32 after them, where
+/* One block of W (its quants at w, its outputs at y) against B <= PASS_B rows of x. `f` is what
+ * the block function reads besides x: group sums (q4; and x in float32 after them, where
  * Q4_READS_X_F32) or x in float32 (q8). y is bfloat16 (q4) or float32 (q8, the logits).
  * `fixed`: each row's arithmetic the same whatever B (see q4_batch_invariant). */
 #define PASS(KIND, Y, B_)                                                                      \
     static void KIND##_pass_##B_(const uint16_t *x, const float *f, const uint8_t *w, void *y, \
                                  int64_t N, int64_t K, int fixed)                              \
     {                                                                                          \
-        const int64_t bytes = (K / GROUP) * KIND##_BYTES;                                     \
-        _Pragma("omp parallel for schedule(static)")                                           \
-        for (int64_t n = 0; n < N / LANES; n++) {                                              \
-            if (fixed)                                                                         \
-                KIND##_block(x, f, w + n * bytes, (Y *)y + n * LANES, N, K, B_, 1);            \
-            else                                                                               \
-                KIND##_block(x, f, w + n * bytes, (Y *)y + n * LANES, N, K, B_, 0);            \
-        }                                                                                      \
+        if (fixed)                                                                             \
+            KIND##_block(x, f, w, (Y *)y, N, K, B_, 1);                                        \
+        else                                                                                   \
+            KIND##_block(x, f, w, (Y *)y, N, K, B_, 0);                                        \
     }
 #define PASSES(KIND, Y)                                                                        \
     PASS(KIND, Y, 1) PASS(KIND, Y, 2) PASS(KIND, Y, 3) PASS(KIND, Y, 4)                        \
@@ -475,15 +471,21 @@ int64_t q4_batch_invariant(int64_t on)
 }
 
 /* x [B, K] in passes of PASS_B rows; f holds f_per_row floats for each row of x; y's rows are
- * N elements of y_size bytes. */
+ * N elements of y_size bytes. The blocks are split between the threads, and each block goes
+ * through every pass while it is in L1, so that more than PASS_B rows (the logits of a decode
+ * step of 16 sequences) read W from memory once, not once a pass. */
 static void run(const pass_fn *passes, const uint16_t *x, const float *f, int64_t f_per_row,
-                const uint8_t *w, void *y, int64_t y_size, int64_t B, int64_t N, int64_t K)
+                const uint8_t *w, void *y, int64_t y_size, int64_t block_bytes, int64_t B,
+                int64_t N, int64_t K)
 {
-    for (int64_t b0 = 0; b0 < B; b0 += PASS_B) {
-        const int64_t nb = B - b0 < PASS_B ? B - b0 : PASS_B;
-        passes[nb](x + b0 * K, f + b0 * f_per_row, w, (char *)y + b0 * N * y_size, N, K,
-                   invariant);
-    }
+    const int fixed = invariant;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N / LANES; n++)
+        for (int64_t b0 = 0; b0 < B; b0 += PASS_B) {
+            const int64_t nb = B - b0 < PASS_B ? B - b0 : PASS_B;
+            passes[nb](x + b0 * K, f + b0 * f_per_row, w + n * (K / GROUP) * block_bytes,
+                       (char *)y + (b0 * N + n * LANES) * y_size, N, K, fixed);
+        }
 }
 
 #ifdef HAVE_AMX
@@ -492,22 +494,26 @@ static void run(const pass_fn *passes, const uint16_t *x, const float *f, int64_
 #define CHUNK_BYTES (1 << 20) /* of x per pass over W: it stays in L2 (2 MiB a core with AMX) */
 
 /* One tile row: 16 bfloat16 pairs, columns 0-7 from lo and 8-15 from hi, whose lane 2i + e holds
- * q of column i's input of parity e; scale and low are duplicated into lanes the same way. */
-INLINE void dequant_pair_row(uint16_t *dst, __m512i q_lo, __m512i q_hi, __m512 scale_lo,
+ * q of column i's input of parity e, in float32; scale and low are duplicated into lanes the same
+ * way. */
+INLINE void dequant_pair_row(uint16_t *dst, __m512 q_lo, __m512 q_hi, __m512 scale_lo,
                              __m512 scale_hi, __m512 low_lo, __m512 low_hi)
 {
-    const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q_lo), scale_lo, low_lo);
-    const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q_hi), scale_hi, low_hi);
+    const __m512 lo = _mm512_fmadd_ps(q_lo, scale_lo, low_lo);
+    const __m512 hi = _mm512_fmadd_ps(q_hi, scale_hi, low_hi);
     _mm512_store_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
 }
 
 /* Group wg (Q4_BYTES) of a block -> the W tile dst [PAIR_ROWS][16 columns][2] bfloat16. Byte
  * 2i + e of chunk c holds column i's q[2c + e] in its low nibble (pair row c) and q[2c + 16 + e]
  * in its high one (pair row c + 8): widened to 32 bits, each half chunk is already in the
- * tile's order of (column, parity). */
+ * tile's order of (column, parity). A nibble becomes a float32 by vpermps from the table 0..15,
+ * which reads the low 4 bits of each index: the low nibble without masking it off, and on port
+ * 5, where vcvtdq2ps would take port 0 from the tile unit (1.5x the groups a second at one row of
+ * x with hot caches; docs/performance.md, session 25). */
 INLINE void dequant_group(const uint8_t *wg, uint16_t *dst)
 {
-    const __m512i nibble = _mm512_set1_epi32(0xf);
+    const __m512 values = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const __m512i pairs_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     const __m512i pairs_hi = _mm512_add_epi32(pairs_lo, _mm512_set1_epi32(8));
     const uint16_t *sl = (const uint16_t *)(wg + LANES * GROUP / 2);
@@ -521,10 +527,12 @@ INLINE void dequant_group(const uint8_t *wg, uint16_t *dst)
         const __m512i lo = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(wg + 32 * c)));
         const __m512i hi =
             _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(wg + 32 * c + 16)));
-        dequant_pair_row(dst + 32 * c, _mm512_and_si512(lo, nibble), _mm512_and_si512(hi, nibble),
-                         scale_lo, scale_hi, low_lo, low_hi);
-        dequant_pair_row(dst + 32 * (c + 8), _mm512_srli_epi32(lo, 4), _mm512_srli_epi32(hi, 4),
-                         scale_lo, scale_hi, low_lo, low_hi);
+        dequant_pair_row(dst + 32 * c, _mm512_permutexvar_ps(lo, values),
+                         _mm512_permutexvar_ps(hi, values), scale_lo, scale_hi, low_lo, low_hi);
+        dequant_pair_row(dst + 32 * (c + 8),
+                         _mm512_permutexvar_ps(_mm512_srli_epi32(lo, 4), values),
+                         _mm512_permutexvar_ps(_mm512_srli_epi32(hi, 4), values), scale_lo,
+                         scale_hi, low_lo, low_hi);
     }
 }
 
@@ -548,6 +556,7 @@ static void store_tile(int tile, int rows, uint16_t *y, int64_t y_stride)
 #ifndef AMX_PREFETCH
 #define AMX_PREFETCH 4
 #endif
+
 /* W tiles that serve one call of gemm_block only (a chunk of at most two x tiles: decode) go
  * through a ring of this many groups' tiles, which stays in L1, instead of a buffer of all G. */
 #ifndef AMX_RING
@@ -1306,7 +1315,7 @@ void q4_matmul_bf16(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t B,
         for (int64_t k = 0; k < (Q4_READS_X_F32 ? K : 0); k++)
             f[b * per_row + G + k] = bf16_to_float(x[b * K + k]);
     }
-    run(Q4_passes, x, f, per_row, w, y, 2, B, N, K);
+    run(Q4_passes, x, f, per_row, w, y, 2, Q4_BYTES, B, N, K);
     free(f);
 }
 
@@ -1322,7 +1331,7 @@ void q8_matmul_bf16(const uint16_t *x, const uint8_t *w, float *y, int64_t B, in
     float *xf = malloc((size_t)(B * K) * sizeof(float));
     for (int64_t i = 0; i < B * K; i++)
         xf[i] = bf16_to_float(x[i]);
-    run(Q8_passes, x, xf, K, w, y, 4, B, N, K);
+    run(Q8_passes, x, xf, K, w, y, 4, Q8_BYTES, B, N, K);
     free(xf);
 }
 
