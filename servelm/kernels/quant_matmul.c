@@ -43,6 +43,7 @@
  * same bits as the AVX2 build (int_tile_wide).
  */
 
+#include <omp.h>
 #include <stdlib.h>
 
 #include "common.h"
@@ -55,6 +56,16 @@
 #define PREFETCH 8 /* blocks ahead, in the order read */
 #endif
 #define MAX_B 16 /* rows of x a block function takes */
+/* How the threads share W: blocks (pairs of blocks, on the tiles) in turns of WALK each, or
+ * with 0 in one contiguous range each. */
+#ifndef WALK
+#define WALK 0
+#endif
+#if WALK
+#define WALK_SCHEDULE schedule(static, WALK)
+#else
+#define WALK_SCHEDULE schedule(static)
+#endif
 /* Rows of x per pass over W. With AVX2 alone each pass unpacks every group's quants into
  * float32 again, so fewer, wider passes are faster (docs/performance.md). AVX-512 keeps 8 (not
  * measured there). */
@@ -479,7 +490,7 @@ static void run(const pass_fn *passes, const uint16_t *x, const float *f, int64_
                 int64_t N, int64_t K)
 {
     const int fixed = invariant;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for WALK_SCHEDULE
     for (int64_t n = 0; n < N / LANES; n++)
         for (int64_t b0 = 0; b0 < B; b0 += PASS_B) {
             const int64_t nb = B - b0 < PASS_B ? B - b0 : PASS_B;
@@ -566,9 +577,9 @@ static void store_tile(int tile, int rows, uint16_t *y, int64_t y_stride)
 /* The block whose quants start at q: its group h's cache lines on their way to L1. Past the
  * block's G groups, the same groups of the block two on: the thread's next pair (blocks are
  * walked in pairs, q0 then q1, and threads take consecutive pairs). */
-INLINE void prefetch_group(const uint8_t *q, int64_t h, int64_t G)
+INLINE void prefetch_group(const uint8_t *q, int64_t h, int64_t G, int64_t next)
 {
-    const char *p = (const char *)(q + (h < G ? h : h + G) * Q4_BYTES);
+    const char *p = (const char *)(h < G ? q + h * Q4_BYTES : q + next + (h - G) * Q4_BYTES);
     for (int line = 0; line < Q4_BYTES / 64; line++)
         _mm_prefetch(p + 64 * line, _MM_HINT_T0);
 }
@@ -576,12 +587,12 @@ INLINE void prefetch_group(const uint8_t *q, int64_t h, int64_t G)
 /* With q0 (and q1), the quants of one (two) blocks: their group g unpacked into W tiles, at
  * w0 (w1) + PAIR_ROWS * 32 * (g & ring). */
 INLINE void dequant_groups(const uint8_t *q0, const uint8_t *q1, uint16_t *w0, uint16_t *w1,
-                           int64_t g, int64_t G, int64_t ring)
+                           int64_t g, int64_t G, int64_t ring, int64_t next)
 {
     if (AMX_PREFETCH) {
-        prefetch_group(q0, g + AMX_PREFETCH, G);
+        prefetch_group(q0, g + AMX_PREFETCH, G, next);
         if (w1)
-            prefetch_group(q1, g + AMX_PREFETCH, G);
+            prefetch_group(q1, g + AMX_PREFETCH, G, next);
     }
     dequant_group(q0 + g * Q4_BYTES, w0 + PAIR_ROWS * 32 * (g & ring));
     if (w1)
@@ -598,17 +609,17 @@ INLINE void dequant_groups(const uint8_t *q0, const uint8_t *q1, uint16_t *w0, u
 static void gemm_block(const uint16_t *xa, int ra, const uint16_t *xb, int rb, int64_t x_stride,
                        int64_t x_group, uint16_t *w0, uint16_t *w1, const uint8_t *q0,
                        const uint8_t *q1, uint16_t *ya, uint16_t *yb, int64_t N, int64_t G,
-                       int64_t ring)
+                       int64_t ring, int64_t next)
 {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     if (q0)
-        dequant_groups(q0, q1, w0, w1, 0, G, ring);
+        dequant_groups(q0, q1, w0, w1, 0, G, ring, next);
     for (int64_t g = 0; g < G; g++) {
         if (q0 && g + 1 < G)
-            dequant_groups(q0, q1, w0, w1, g + 1, G, ring);
+            dequant_groups(q0, q1, w0, w1, g + 1, G, ring, next);
         for (int line = 0; line < ra; line++) { /* the next group's x tiles, on their way to L1 */
             _mm_prefetch((const char *)(xa + x_group * (g + 1)) + x_stride * line, _MM_HINT_T0);
             if (xb && line < rb)
@@ -681,9 +692,11 @@ static void q4_gemm_amx(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_
         const int64_t per_block = (ring < 0 ? G : AMX_RING) * PAIR_ROWS * 32;
         uint16_t *w0 = aligned_alloc(64, (size_t)(2 * per_block) * 2);
         uint16_t *w1 = w0 + per_block;
+        /* bytes from a pair's quants to those of the thread's next pair */
+        const int64_t next = 2 * G * Q4_BYTES * (WALK == 1 ? omp_get_num_threads() : 1);
         for (int64_t t0 = 0; t0 < tiles; t0 += chunk) {
             const int64_t t1 = t0 + chunk < tiles ? t0 + chunk : tiles;
-#pragma omp for schedule(static)
+#pragma omp for WALK_SCHEDULE
             for (int64_t pair = 0; pair < (blocks + 1) / 2; pair++) {
                 const uint8_t *q0 = w + 2 * pair * G * Q4_BYTES, *q1 = q0 + G * Q4_BYTES;
                 uint16_t *second = 2 * pair + 1 < blocks ? w1 : NULL; /* N % 32 == 16: one */
@@ -694,7 +707,7 @@ static void q4_gemm_amx(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_
                     const uint16_t *xa = direct ? x : xt + t * G * tile;
                     gemm_block(xa, ra, t + 1 < t1 ? xt + (t + 1) * G * tile : NULL, rb,
                                x_stride, x_group, w0, second, q0, q1, ya, ya + 16 * N, N, G,
-                               ring);
+                               ring, next);
                 }
             }
         }
