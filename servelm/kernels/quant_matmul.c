@@ -663,6 +663,8 @@ static void q4_gemm_amx(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_
 {
     const int64_t G = K / GROUP, tiles = (M + 15) / 16, tile = 16 * GROUP, blocks = N / LANES;
     const int64_t chunk = CHUNK_BYTES / (16 * K * 2) > 2 ? CHUNK_BYTES / (16 * K * 2) : 2;
+    if (M < 1) /* (a tile of 0 rows is not a configuration the tile unit takes) */
+        return;
     const int direct = M <= 16;
     /* an x tile's rows: K apart in x, or GROUP in the copy; its groups GROUP or a tile apart */
     const int64_t x_stride = direct ? 2 * K : 2 * GROUP, x_group = direct ? GROUP : tile;
