@@ -43,6 +43,7 @@
  * same bits as the AVX2 build (int_tile_wide).
  */
 
+#include <omp.h>
 #include <stdlib.h>
 
 #include "common.h"
@@ -55,6 +56,16 @@
 #define PREFETCH 8 /* blocks ahead, in the order read */
 #endif
 #define MAX_B 16 /* rows of x a block function takes */
+/* How the threads share W: blocks (pairs of blocks, on the tiles) in turns of WALK each, or
+ * with 0 in one contiguous range each. */
+#ifndef WALK
+#define WALK 0
+#endif
+#if WALK
+#define WALK_SCHEDULE schedule(static, WALK)
+#else
+#define WALK_SCHEDULE schedule(static)
+#endif
 /* Rows of x per pass over W. With AVX2 alone each pass unpacks every group's quants into
  * float32 again, so fewer, wider passes are faster (docs/performance.md). AVX-512 keeps 8 (not
  * measured there). */
@@ -415,22 +426,18 @@ INLINE void Q8_block(const uint16_t *x, const float *xf, const uint8_t *w, float
 
 #endif
 
-/* Every block of W against B <= PASS_B rows of x, the blocks split between the threads. `f` is
- * what the block function reads besides x: group sums (q4; and x in float32 after them, where
+/* One block of W (its quants at w, its outputs at y) against B <= PASS_B rows of x. `f` is what
+ * the block function reads besides x: group sums (q4; and x in float32 after them, where
  * Q4_READS_X_F32) or x in float32 (q8). y is bfloat16 (q4) or float32 (q8, the logits).
  * `fixed`: each row's arithmetic the same whatever B (see q4_batch_invariant). */
 #define PASS(KIND, Y, B_)                                                                      \
     static void KIND##_pass_##B_(const uint16_t *x, const float *f, const uint8_t *w, void *y, \
                                  int64_t N, int64_t K, int fixed)                              \
     {                                                                                          \
-        const int64_t bytes = (K / GROUP) * KIND##_BYTES;                                     \
-        _Pragma("omp parallel for schedule(static)")                                           \
-        for (int64_t n = 0; n < N / LANES; n++) {                                              \
-            if (fixed)                                                                         \
-                KIND##_block(x, f, w + n * bytes, (Y *)y + n * LANES, N, K, B_, 1);            \
-            else                                                                               \
-                KIND##_block(x, f, w + n * bytes, (Y *)y + n * LANES, N, K, B_, 0);            \
-        }                                                                                      \
+        if (fixed)                                                                             \
+            KIND##_block(x, f, w, (Y *)y, N, K, B_, 1);                                        \
+        else                                                                                   \
+            KIND##_block(x, f, w, (Y *)y, N, K, B_, 0);                                        \
     }
 #define PASSES(KIND, Y)                                                                        \
     PASS(KIND, Y, 1) PASS(KIND, Y, 2) PASS(KIND, Y, 3) PASS(KIND, Y, 4)                        \
@@ -475,15 +482,21 @@ int64_t q4_batch_invariant(int64_t on)
 }
 
 /* x [B, K] in passes of PASS_B rows; f holds f_per_row floats for each row of x; y's rows are
- * N elements of y_size bytes. */
+ * N elements of y_size bytes. The blocks are split between the threads, and each block goes
+ * through every pass while it is in L1, so that more than PASS_B rows (the logits of a decode
+ * step of 16 sequences) read W from memory once, not once a pass. */
 static void run(const pass_fn *passes, const uint16_t *x, const float *f, int64_t f_per_row,
-                const uint8_t *w, void *y, int64_t y_size, int64_t B, int64_t N, int64_t K)
+                const uint8_t *w, void *y, int64_t y_size, int64_t block_bytes, int64_t B,
+                int64_t N, int64_t K)
 {
-    for (int64_t b0 = 0; b0 < B; b0 += PASS_B) {
-        const int64_t nb = B - b0 < PASS_B ? B - b0 : PASS_B;
-        passes[nb](x + b0 * K, f + b0 * f_per_row, w, (char *)y + b0 * N * y_size, N, K,
-                   invariant);
-    }
+    const int fixed = invariant;
+#pragma omp parallel for WALK_SCHEDULE
+    for (int64_t n = 0; n < N / LANES; n++)
+        for (int64_t b0 = 0; b0 < B; b0 += PASS_B) {
+            const int64_t nb = B - b0 < PASS_B ? B - b0 : PASS_B;
+            passes[nb](x + b0 * K, f + b0 * f_per_row, w + n * (K / GROUP) * block_bytes,
+                       (char *)y + (b0 * N + n * LANES) * y_size, N, K, fixed);
+        }
 }
 
 #ifdef HAVE_AMX
@@ -492,22 +505,26 @@ static void run(const pass_fn *passes, const uint16_t *x, const float *f, int64_
 #define CHUNK_BYTES (1 << 20) /* of x per pass over W: it stays in L2 (2 MiB a core with AMX) */
 
 /* One tile row: 16 bfloat16 pairs, columns 0-7 from lo and 8-15 from hi, whose lane 2i + e holds
- * q of column i's input of parity e; scale and low are duplicated into lanes the same way. */
-INLINE void dequant_pair_row(uint16_t *dst, __m512i q_lo, __m512i q_hi, __m512 scale_lo,
+ * q of column i's input of parity e, in float32; scale and low are duplicated into lanes the same
+ * way. */
+INLINE void dequant_pair_row(uint16_t *dst, __m512 q_lo, __m512 q_hi, __m512 scale_lo,
                              __m512 scale_hi, __m512 low_lo, __m512 low_hi)
 {
-    const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q_lo), scale_lo, low_lo);
-    const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q_hi), scale_hi, low_hi);
+    const __m512 lo = _mm512_fmadd_ps(q_lo, scale_lo, low_lo);
+    const __m512 hi = _mm512_fmadd_ps(q_hi, scale_hi, low_hi);
     _mm512_store_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
 }
 
 /* Group wg (Q4_BYTES) of a block -> the W tile dst [PAIR_ROWS][16 columns][2] bfloat16. Byte
  * 2i + e of chunk c holds column i's q[2c + e] in its low nibble (pair row c) and q[2c + 16 + e]
  * in its high one (pair row c + 8): widened to 32 bits, each half chunk is already in the
- * tile's order of (column, parity). */
+ * tile's order of (column, parity). A nibble becomes a float32 by vpermps from the table 0..15,
+ * which reads the low 4 bits of each index: the low nibble without masking it off, and on port
+ * 5, where vcvtdq2ps would take port 0 from the tile unit (1.5x the groups a second at one row of
+ * x with hot caches; docs/performance.md, session 25). */
 INLINE void dequant_group(const uint8_t *wg, uint16_t *dst)
 {
-    const __m512i nibble = _mm512_set1_epi32(0xf);
+    const __m512 values = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const __m512i pairs_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     const __m512i pairs_hi = _mm512_add_epi32(pairs_lo, _mm512_set1_epi32(8));
     const uint16_t *sl = (const uint16_t *)(wg + LANES * GROUP / 2);
@@ -521,10 +538,12 @@ INLINE void dequant_group(const uint8_t *wg, uint16_t *dst)
         const __m512i lo = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(wg + 32 * c)));
         const __m512i hi =
             _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(wg + 32 * c + 16)));
-        dequant_pair_row(dst + 32 * c, _mm512_and_si512(lo, nibble), _mm512_and_si512(hi, nibble),
-                         scale_lo, scale_hi, low_lo, low_hi);
-        dequant_pair_row(dst + 32 * (c + 8), _mm512_srli_epi32(lo, 4), _mm512_srli_epi32(hi, 4),
-                         scale_lo, scale_hi, low_lo, low_hi);
+        dequant_pair_row(dst + 32 * c, _mm512_permutexvar_ps(lo, values),
+                         _mm512_permutexvar_ps(hi, values), scale_lo, scale_hi, low_lo, low_hi);
+        dequant_pair_row(dst + 32 * (c + 8),
+                         _mm512_permutexvar_ps(_mm512_srli_epi32(lo, 4), values),
+                         _mm512_permutexvar_ps(_mm512_srli_epi32(hi, 4), values), scale_lo,
+                         scale_hi, low_lo, low_hi);
     }
 }
 
@@ -542,38 +561,81 @@ static void store_tile(int tile, int rows, uint16_t *y, int64_t y_stride)
         store_bf16(y + r * y_stride, _mm512_load_ps(buf + 16 * r));
 }
 
+/* Software prefetch of the quants, in groups ahead of the one unpacked (0: none). The tile path
+ * does little else per byte at a few rows of x, so without it the unpacking waits on memory
+ * (docs/performance.md, session 25). */
+#ifndef AMX_PREFETCH
+#define AMX_PREFETCH 4
+#endif
+
+/* W tiles that serve one call of gemm_block only (a chunk of at most two x tiles: decode) go
+ * through a ring of this many groups' tiles, which stays in L1, instead of a buffer of all G. */
+#ifndef AMX_RING
+#define AMX_RING 4
+#endif
+
+/* The block whose quants start at q: its group h's cache lines on their way to L1. Past the
+ * block's G groups, the same groups of the block two on: the thread's next pair (blocks are
+ * walked in pairs, q0 then q1, and threads take consecutive pairs). */
+INLINE void prefetch_group(const uint8_t *q, int64_t h, int64_t G, int64_t next)
+{
+    const char *p = (const char *)(h < G ? q + h * Q4_BYTES : q + next + (h - G) * Q4_BYTES);
+    for (int line = 0; line < Q4_BYTES / 64; line++)
+        _mm_prefetch(p + 64 * line, _MM_HINT_T0);
+}
+
+/* With q0 (and q1), the quants of one (two) blocks: their group g unpacked into W tiles, at
+ * w0 (w1) + PAIR_ROWS * 32 * (g & ring). */
+INLINE void dequant_groups(const uint8_t *q0, const uint8_t *q1, uint16_t *w0, uint16_t *w1,
+                           int64_t g, int64_t G, int64_t ring, int64_t next)
+{
+    if (AMX_PREFETCH) {
+        prefetch_group(q0, g + AMX_PREFETCH, G, next);
+        if (w1)
+            prefetch_group(q1, g + AMX_PREFETCH, G, next);
+    }
+    dequant_group(q0 + g * Q4_BYTES, w0 + PAIR_ROWS * 32 * (g & ring));
+    if (w1)
+        dequant_group(q1 + g * Q4_BYTES, w1 + PAIR_ROWS * 32 * (g & ring));
+}
+
 /* Two x tiles xa, xb (xb may be NULL) by the W tiles of one or two blocks (w1 may be NULL),
  * summed over all G groups in accumulator tiles 0-3: [xa w0, xa w1, xb w0, xb w1]. With q0
- * (and q1), the blocks' quants, the W tiles are unpacked first, group by group, so that the
- * unpacking overlaps the tile unit's work. ra, rb: rows of ya, yb to write. */
-static void gemm_block(const uint16_t *xa, int ra, const uint16_t *xb, int rb, uint16_t *w0,
-                       uint16_t *w1, const uint8_t *q0, const uint8_t *q1, uint16_t *ya,
-                       uint16_t *yb, int64_t N, int64_t G)
+ * (and q1), the blocks' quants, the W tiles are unpacked first, a group ahead of the tile
+ * unit, so that the unpacking overlaps its work and a tile is not loaded while the stores that
+ * wrote it are still on their way; ring: W tile g is at w + PAIR_ROWS * 32 * (g & ring) (-1:
+ * every group its own). x_stride: bytes between an x tile's rows; ra, rb: rows of ya, yb to
+ * write. */
+static void gemm_block(const uint16_t *xa, int ra, const uint16_t *xb, int rb, int64_t x_stride,
+                       int64_t x_group, uint16_t *w0, uint16_t *w1, const uint8_t *q0,
+                       const uint8_t *q1, uint16_t *ya, uint16_t *yb, int64_t N, int64_t G,
+                       int64_t ring, int64_t next)
 {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
+    if (q0)
+        dequant_groups(q0, q1, w0, w1, 0, G, ring, next);
     for (int64_t g = 0; g < G; g++) {
-        if (q0) {
-            dequant_group(q0 + g * Q4_BYTES, w0 + PAIR_ROWS * 32 * g);
-            if (w1)
-                dequant_group(q1 + g * Q4_BYTES, w1 + PAIR_ROWS * 32 * g);
+        if (q0 && g + 1 < G)
+            dequant_groups(q0, q1, w0, w1, g + 1, G, ring, next);
+        for (int line = 0; line < ra; line++) { /* the next group's x tiles, on their way to L1 */
+            _mm_prefetch((const char *)(xa + x_group * (g + 1)) + x_stride * line, _MM_HINT_T0);
+            if (xb && line < rb)
+                _mm_prefetch((const char *)(xb + x_group * (g + 1)) + x_stride * line,
+                             _MM_HINT_T0);
         }
-        for (int line = 0; line < 16; line++) { /* the next group's x tiles, on their way to L1 */
-            _mm_prefetch((const char *)(xa + 16 * GROUP * (g + 1)) + 64 * line, _MM_HINT_T0);
-            if (xb)
-                _mm_prefetch((const char *)(xb + 16 * GROUP * (g + 1)) + 64 * line, _MM_HINT_T0);
-        }
-        _tile_loadd(4, xa + 16 * GROUP * g, 64);
-        _tile_loadd(6, w0 + PAIR_ROWS * 32 * g, 64);
+        const uint16_t *wt0 = w0 + PAIR_ROWS * 32 * (g & ring);
+        _tile_loadd(4, xa + x_group * g, x_stride);
+        _tile_loadd(6, wt0, 64);
         _tile_dpbf16ps(0, 4, 6);
         if (w1) {
-            _tile_loadd(7, w1 + PAIR_ROWS * 32 * g, 64);
+            _tile_loadd(7, w1 + PAIR_ROWS * 32 * (g & ring), 64);
             _tile_dpbf16ps(1, 4, 7);
         }
         if (xb) {
-            _tile_loadd(5, xb + 16 * GROUP * g, 64);
+            _tile_loadd(5, xb + x_group * g, x_stride);
             _tile_dpbf16ps(2, 5, 6);
             if (w1)
                 _tile_dpbf16ps(3, 5, 7);
@@ -589,40 +651,54 @@ static void gemm_block(const uint16_t *xa, int ra, const uint16_t *xb, int rb, u
     }
 }
 
-/* y [M, N] = x [M, K] W^T for q4 W on the tile unit. x is first copied tile by tile
- * ([M / 16][G][16 rows][32 inputs], the last tile's missing rows zero), so that each x tile
- * loaded is 1 KiB in one piece. Each thread then takes blocks of W two at a time (32 columns),
- * unpacks them to bfloat16 W tiles in its own buffer as the first two x tiles go through, and
- * runs the rest of the chunk's x tiles through those. */
+/* y [M, N] = x [M, K] W^T for q4 W on the tile unit. Each thread takes blocks of W two at a time
+ * (32 columns), unpacks them to bfloat16 W tiles in its own buffer as the first two x tiles go
+ * through, and runs the rest of the chunk's x tiles through those. Up to 16 rows (decode), the
+ * x tile is x itself, M rows of K apart (the tiles configured to M rows: each row's sums are
+ * the same whatever M). From 17, x is first copied tile by tile ([M / 16][G][16 rows][32
+ * inputs], the last tile's missing rows zero), so that each x tile loaded is 1 KiB in one
+ * piece. */
 static void q4_gemm_amx(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t M, int64_t N,
                         int64_t K)
 {
     const int64_t G = K / GROUP, tiles = (M + 15) / 16, tile = 16 * GROUP, blocks = N / LANES;
     const int64_t chunk = CHUNK_BYTES / (16 * K * 2) > 2 ? CHUNK_BYTES / (16 * K * 2) : 2;
-    uint16_t *xt = aligned_alloc(64, (size_t)(tiles * G * tile) * 2);
+    if (M < 1) /* (a tile of 0 rows is not a configuration the tile unit takes) */
+        return;
+    const int direct = M <= 16;
+    /* an x tile's rows: K apart in x, or GROUP in the copy; its groups GROUP or a tile apart */
+    const int64_t x_stride = direct ? 2 * K : 2 * GROUP, x_group = direct ? GROUP : tile;
+    /* W tiles unpacked for one gemm_block call only: a ring of AMX_RING groups */
+    const int64_t ring = AMX_RING && chunk >= tiles && tiles <= 2 ? AMX_RING - 1 : -1;
+    uint16_t *xt = direct ? NULL : aligned_alloc(64, (size_t)(tiles * G * tile) * 2);
 #pragma omp parallel
     {
+        if (!direct) {
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < tiles; t++)
-            for (int64_t g = 0; g < G; g++)
-                for (int64_t r = 0; r < 16; r++) {
-                    uint16_t *dst = xt + (t * G + g) * tile + r * GROUP;
-                    if (16 * t + r < M)
-                        memcpy(dst, x + (16 * t + r) * K + g * GROUP, GROUP * 2);
-                    else
-                        memset(dst, 0, GROUP * 2);
-                }
+            for (int64_t t = 0; t < tiles; t++)
+                for (int64_t g = 0; g < G; g++)
+                    for (int64_t r = 0; r < 16; r++) {
+                        uint16_t *dst = xt + (t * G + g) * tile + r * GROUP;
+                        if (16 * t + r < M)
+                            memcpy(dst, x + (16 * t + r) * K + g * GROUP, GROUP * 2);
+                        else
+                            memset(dst, 0, GROUP * 2);
+                    }
+        }
         struct tile_config cfg = {.palette = 1};
         for (int t = 0; t < 8; t++) {
-            cfg.rows[t] = 16;
+            cfg.rows[t] = direct && (t < 2 || t == 4) ? (uint8_t)M : 16; /* x and its sums */
             cfg.bytes_per_row[t] = 64;
         }
         _tile_loadconfig(&cfg);
-        uint16_t *w0 = aligned_alloc(64, (size_t)(2 * G * PAIR_ROWS * 32) * 2);
-        uint16_t *w1 = w0 + G * PAIR_ROWS * 32;
+        const int64_t per_block = (ring < 0 ? G : AMX_RING) * PAIR_ROWS * 32;
+        uint16_t *w0 = aligned_alloc(64, (size_t)(2 * per_block) * 2);
+        uint16_t *w1 = w0 + per_block;
+        /* bytes from a pair's quants to those of the thread's next pair */
+        const int64_t next = 2 * G * Q4_BYTES * (WALK == 1 ? omp_get_num_threads() : 1);
         for (int64_t t0 = 0; t0 < tiles; t0 += chunk) {
             const int64_t t1 = t0 + chunk < tiles ? t0 + chunk : tiles;
-#pragma omp for schedule(static)
+#pragma omp for WALK_SCHEDULE
             for (int64_t pair = 0; pair < (blocks + 1) / 2; pair++) {
                 const uint8_t *q0 = w + 2 * pair * G * Q4_BYTES, *q1 = q0 + G * Q4_BYTES;
                 uint16_t *second = 2 * pair + 1 < blocks ? w1 : NULL; /* N % 32 == 16: one */
@@ -630,8 +706,10 @@ static void q4_gemm_amx(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_
                     const int ra = M - 16 * t < 16 ? (int)(M - 16 * t) : 16;
                     const int rb = M - 16 * (t + 1) < 16 ? (int)(M - 16 * (t + 1)) : 16;
                     uint16_t *ya = y + 16 * t * N + 32 * pair;
-                    gemm_block(xt + t * G * tile, ra, t + 1 < t1 ? xt + (t + 1) * G * tile : NULL,
-                               rb, w0, second, q0, q1, ya, ya + 16 * N, N, G);
+                    const uint16_t *xa = direct ? x : xt + t * G * tile;
+                    gemm_block(xa, ra, t + 1 < t1 ? xt + (t + 1) * G * tile : NULL, rb,
+                               x_stride, x_group, w0, second, q0, q1, ya, ya + 16 * N, N, G,
+                               ring, next);
                 }
             }
         }
@@ -1252,7 +1330,7 @@ void q4_matmul_bf16(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t B,
         for (int64_t k = 0; k < (Q4_READS_X_F32 ? K : 0); k++)
             f[b * per_row + G + k] = bf16_to_float(x[b * K + k]);
     }
-    run(Q4_passes, x, f, per_row, w, y, 2, B, N, K);
+    run(Q4_passes, x, f, per_row, w, y, 2, Q4_BYTES, B, N, K);
     free(f);
 }
 
@@ -1268,7 +1346,7 @@ void q8_matmul_bf16(const uint16_t *x, const uint8_t *w, float *y, int64_t B, in
     float *xf = malloc((size_t)(B * K) * sizeof(float));
     for (int64_t i = 0; i < B * K; i++)
         xf[i] = bf16_to_float(x[i]);
-    run(Q8_passes, x, xf, K, w, y, 4, B, N, K);
+    run(Q8_passes, x, xf, K, w, y, 4, Q8_BYTES, B, N, K);
     free(xf);
 }
 

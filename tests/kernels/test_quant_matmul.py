@@ -314,6 +314,22 @@ def test_tiles_multiply_by_exactly_the_loaded_bf16_weight(kernel):
     assert torch.equal(got, w.float().bfloat16()[:, cols].T)
 
 
+@pytest.mark.parametrize("variant", params(TILES), indirect=True)
+@pytest.mark.parametrize("shape", [(48, 1536), (80, 576)])  # a block left over; 48 groups
+def test_tiles_give_decode_rows_the_bits_of_prompt_rows(kernel, shape):
+    """The tile path's forms for few rows (up to 16: x read where it lies; up to 32: W tiles in
+    a ring of a few groups, with 48 groups here) and for many (x copied, every group's W tile
+    kept) give each row the same bits, and all of them the exact product rounded once."""
+    rows, cols = shape
+    q, scale, low, w = q4_weight(rows, cols, seed=5)
+    packed = QuantMatmul.pack_q4(q, scale, low)
+    x = torch.randn(40, cols, generator=torch.Generator().manual_seed(11)).bfloat16()
+    many = kernel.q4(x, packed, rows)
+    assert_rounded_once(many, x.double() @ loaded_bf16(w).T)
+    for batch in (1, 3, 16, 17, 32):
+        assert torch.equal(kernel.q4(x[:batch], packed, rows), many[:batch]), batch
+
+
 @pytest.mark.parametrize("batch", [1, 4, 9])
 @pytest.mark.parametrize("magnitude", [1.0, 1e-3])  # 1e-3: scales below float16's normal range
 def test_every_build_computes_what_plain_c_does(kernel, plain_c, batch, magnitude):
