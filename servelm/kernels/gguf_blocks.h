@@ -165,6 +165,10 @@ INLINE void kq_prep(const int type, const uint8_t *blk, float *p)
     const __m512i i = type == GGUF_Q6_K ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v);
     const __m512 f = _mm512_insertf32x8(_mm512_set1_ps(lo), _mm256_set1_ps(d), 1);
     _mm512_storeu_ps(p, _mm512_mul_ps(_mm512_cvtepi32_ps(i), f));
+    /* p kept in memory: each chunk's FMA then broadcasts its number from there (on a load
+     * port), where from a register each broadcast is a shuffle on the port the unpacking
+     * already fills (a fifth of the kernel's time; docs/performance.md, session 25) */
+    __asm__("" : "+m"(*(float(*)[16])p));
 #else
     for (int h = 0; h < 2; h++) {
         const __m128i part = h ? _mm_srli_si128(v, 8) : v;
