@@ -303,7 +303,9 @@ INLINE kq_acc kq_mins(kq_acc acc, const float *p, const float *xs)
 
 INLINE float kq_sum(kq_acc acc) { return _mm512_reduce_add_ps(acc); }
 
+#ifndef KQ_FUSED_ROWS
 #define KQ_FUSED_ROWS 4 /* rows of W a fused pass takes at once */
+#endif
 #define KQ_TILE_ROWS 8 /* rows of W a tiled pass unpacks together */
 #ifndef KQ_FUSED_MAX_B
 #define KQ_FUSED_MAX_B 4 /* rows of x up to which chunks go straight from memory into the dots */
