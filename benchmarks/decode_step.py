@@ -78,9 +78,10 @@ def one_round(llm: LLM, batch: int, context: int, steps: int, reader) -> list[di
             record.clear()
             if reader is not None:
                 reader(kernels)  # (clears them)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             engine.step()
             record["step"] = time.perf_counter() - t0
+            record["step, CPU time (all threads)"] = time.process_time() - c0
             if reader is not None:
                 reader(kernels)
                 record.update({f"  {n}": kernels[i] for i, n in enumerate(SLOTS)})

@@ -203,6 +203,18 @@ void decode_stack_bf16(const struct kernels *k, const struct shape *s, const str
          * whose cached prefix another request of the step is computing); a decode token's
          * block is its own request's last, which no other part reads, and the decode kernel
          * stores it itself */
+        /* their cache lines asked for first, all at once: one copy after another, each
+         * waiting for its lines, took about 1 ms a decode step (docs/performance.md, session
+         * 25) */
+        for (int64_t i = 0; i < st->num_parts; i++)
+            if (st->parts[i].prefill)
+                for (int64_t r = 0; r < st->parts[i].n; r++) {
+                    const int64_t at = st->slots[st->parts[i].start + r] * kv_size * 2;
+                    for (int64_t b = 0; b < kv_size * 2; b += 64) {
+                        __builtin_prefetch((char *)ly->k_cache + at + b, 1);
+                        __builtin_prefetch((char *)ly->v_cache + at + b, 1);
+                    }
+                }
         for (int64_t i = 0; i < st->num_parts; i++) {
             const struct part *p = &st->parts[i];
             const uint16_t *kn = qkv + p->start * qkv_row + q_size;

@@ -710,8 +710,9 @@ void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_c
  * session 24). Here every chunk's packing, then every chunk's tiles, are one pool of items for
  * the threads; each (chunk, head, tile) is computed by the same code as alone, so a token's
  * numbers do not change. A chunk with one tile a head (a decode token: its G query heads fill
- * a tile's lanes) packs its V and attends in one item, (chunk, head): its V^T is still in cache
- * when the tile reads it, and a step of such chunks alone has no barrier between packing and
+ * a tile's lanes) packs its V and attends in one item, all its heads in turn: its V^T is still
+ * in cache when the tiles read it, one thread reads all of each slot's K and V rows (the heads'
+ * rows lie side by side), and a step of such chunks alone has no barrier between packing and
  * attending (docs/performance.md, session 25). Chunk i: its queries q[i] (rows q_stride apart),
  * n[i] of them, the last of a context of ctx[i] tokens in blocks[i]; output to out[i]. Full
  * attention, no soft-capping. The packed V of every chunk lives in a buffer kept between
@@ -726,15 +727,15 @@ void paged_prefill_bf16_many(int64_t num, const uint16_t *const *q, const int64_
     static int64_t buffer_bytes;
     const int64_t G = Hq / Hkv;
     int64_t *at = malloc((size_t)(3 * num + 3) * sizeof(int64_t));
-    /* prefix sums of items: packing (of chunks of several tiles a head), tiles (of those), and
-     * after the tiles the (chunk, head) items of one-tile chunks */
+    /* prefix sums of items: packing (of chunks of several tiles a head), and the attending:
+     * a tile each (of those) or one for the chunk (one tile a head) */
     int64_t *packs = at + num + 1, *tiles = packs + num + 1;
     at[0] = packs[0] = tiles[0] = 0;
     for (int64_t i = 0; i < num; i++) {
         const int64_t per_head = (n[i] * G + QT - 1) / QT;
         at[i + 1] = at[i] + paged_prefill_scratch_bytes(ctx[i], Hkv, D);
         packs[i + 1] = packs[i] + (per_head > 1 ? Hkv * ((ctx[i] + KC - 1) / KC) : 0);
-        tiles[i + 1] = tiles[i] + Hkv * per_head;
+        tiles[i + 1] = tiles[i] + (per_head > 1 ? Hkv * per_head : 1);
     }
     if (at[num] > buffer_bytes) {
         free(buffer);
@@ -770,17 +771,20 @@ void paged_prefill_bf16_many(int64_t num, const uint16_t *const *q, const int64_
                 i++;
             while (item < tiles[i])
                 i--;
+            uint16_t *vt = (uint16_t *)((char *)buffer + at[i]);
+            if (tiles[i + 1] - tiles[i] == 1) { /* one tile a head: V^T, then the tiles */
+                const int64_t chunks = (ctx[i] + KC - 1) / KC;
+                for (int64_t c = 0; c < chunks; c++)
+                    for (int64_t h = 0; h < Hkv; h++)
+                        pack_vt(v_cache, blocks[i], block_size, 0, ctx[i], Hkv, D, h, c,
+                                vt + (h * chunks + c) * D * KC);
+                for (int64_t h = 0; h < Hkv; h++)
+                    attend_tile(q[i], q_stride, k_cache, vt, blocks[i], block_size, n[i], ctx[i],
+                                Hq, Hkv, D, h, 0, scale, 0, 0.f, out[i], out_stride);
+                continue;
+            }
             const int64_t own = item - tiles[i], count = (tiles[i + 1] - tiles[i]) / Hkv;
             const int64_t tile = count - 1 - own / Hkv, h = own % Hkv;
-            uint16_t *vt = (uint16_t *)((char *)buffer + at[i]);
-            if (count == 1) { /* its V^T first, read by this tile alone */
-                const int64_t chunks = (ctx[i] + KC - 1) / KC;
-                for (int64_t c = 0; ATTN_PREFETCH && c <= ATTN_PREFETCH && c < chunks; c++)
-                    prefetch_chunk(k_cache, blocks[i], block_size, 0, ctx[i], Hkv, D, h, c);
-                for (int64_t c = 0; c < chunks; c++)
-                    pack_vt(v_cache, blocks[i], block_size, 0, ctx[i], Hkv, D, h, c,
-                            vt + (h * chunks + c) * D * KC);
-            }
             attend_tile(q[i], q_stride, k_cache, vt, blocks[i], block_size, n[i], ctx[i], Hq,
                         Hkv, D, h, tile * QT, scale, 0, 0.f, out[i], out_stride);
         }
