@@ -124,9 +124,10 @@ INLINE void transpose16(__m512i r[16])
 }
 
 /* Software prefetch, chunks of KC keys ahead (0: none). A decode step reads its K and V from
- * memory, row by row of 128 bytes 384 apart (one head of a slot), through tile loads and
- * pack_vt's loads that wait for each line; asking for the next chunks' lines while this one is
- * computed took attention from X to Y ms a step (docs/performance.md, session 25). */
+ * memory, a row of one head (128 bytes in the default model) per slot, through tile loads and
+ * pack_vt's loads that each wait for their lines; asking for the next chunk's lines while this
+ * one is computed took a 16-token decode step's attention from 24-26 to 20-21 ms on one thread
+ * (2 chunks ahead: no better; docs/performance.md, session 25). */
 #ifndef ATTN_PREFETCH
 #define ATTN_PREFETCH 1
 #endif
