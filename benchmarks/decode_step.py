@@ -3,17 +3,22 @@ concurrency) decoding at 256-384 tokens of context, in-process through `LLM` and
 that the C layer loop (kernels/decode_stack.c) runs as it does when serving.
 
     .venv/bin/python -m benchmarks.decode_step                  # per-kernel breakdown
-    .venv/bin/python -m benchmarks.decode_step --no-timers      # step times only (A/B runs)
+    .venv/bin/python -m benchmarks.decode_step --no-timers      # step times only
     .venv/bin/python -m benchmarks.decode_step --cold           # + each matmul on cold weights
+    .venv/bin/python -m benchmarks.decode_step --rounds 6 --b-kernels /work/main/servelm/kernels
+    .venv/bin/python -m benchmarks.decode_step --rounds 6 --ab=-DATTN_PREFETCH=0
 
-Per step, in ms: the engine step, the model runner's part, the C call (decode_stack_bf16), the
-logits head (q8) and what lies around them (scheduling, planning, sampling, Python). With timers
-(the default) decode_stack.c is built with -DSTACK_TIMING, which times each kernel call from the
-C loop (the clock calls add ~1 us each, ~300 a step); without them the same source as served.
+Per step, in ms: the engine step (wall and CPU time over all threads), the model runner's part,
+the C call (decode_stack_bf16), the logits head (q8) and what lies around them (scheduling,
+planning, sampling, Python). With timers (the default) decode_stack.c is built with
+-DSTACK_TIMING, which times each kernel call from the C loop (about 540 clock reads a step);
+without them, the source as served. A B side (`--ab` flags, or `--b-kernels` another folder's
+decode_stack.c and paged_prefill.c) runs in the same process, rounds alternating with the A
+side (this checkout's, as built by default), and each pair of round medians is printed.
 `--cold` then times each layer's projections as the stack calls them (16 rows, the model's own
 weights) once with the weight flushed from every cache (clflush: it comes from DRAM) and once
-right after a warm-up call, and prints the read rate each reaches. Every figure is the median
-over the steps (or layers) of `--rounds` rounds.
+right after, and prints the read rate each reaches. Every figure is a median over the steps
+(or layers) of a round, or of all rounds.
 """
 
 from __future__ import annotations
@@ -162,7 +167,9 @@ def report(rows: list[dict], stack) -> dict[str, float]:
     mean = {k: statistics.fmean(r[k] for r in rows) for k in rows[0]}
     for k in rows[0]:
         print(f"  {k:55s} {med[k]:8.2f}   (mean {mean[k]:7.2f})")
-    print(f"  {'outside the C call: runner - C call':55s} {med['model runner'] - med['C call']:8.2f}")
+    print(
+        f"  {'outside the C call: runner - C call':55s} {med['model runner'] - med['C call']:8.2f}"
+    )
     if "  qkv" in rows[0]:
         inside = sum(mean[f"  {n}"] for n in SLOTS)
         print(f"  {'C call - sum of timed kernels (mean)':55s} {mean['C call'] - inside:8.2f}")
@@ -231,9 +238,13 @@ def main() -> None:
         print(f"side {name} " + f"{args.ab or ''} {args.b_kernels or ''}" * (name == "B"))
         report(rows[name], stack)
     if len(sides) == 2:
-        print("pairs, median ms per step (A, B): " + ", ".join(
-            f"step {a['step']:.1f}/{b['step']:.1f} C {a['C call']:.1f}/{b['C call']:.1f}"
-            for a, b in zip(summary["A"], summary["B"])))
+        print(
+            "pairs, median ms per step (A, B): "
+            + ", ".join(
+                f"step {a['step']:.1f}/{b['step']:.1f} C {a['C call']:.1f}/{b['C call']:.1f}"
+                for a, b in zip(summary["A"], summary["B"], strict=True)
+            )
+        )
     if args.cold:
         print(f"  each matmul alone, {args.batch} rows (medians over layers):")
         for name, figures in cold_matmuls(llm, args.batch, max(1, args.rounds)).items():
