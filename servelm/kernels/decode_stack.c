@@ -61,6 +61,10 @@ int64_t decode_stack_timings(double *out)
 #define TIMED(slot, ...) __VA_ARGS__
 #endif
 
+#ifndef KV_PREFETCH /* (see the K/V stores below) */
+#define KV_PREFETCH 1
+#endif
+
 typedef void (*norm_fn)(void *x, const void *delta, const void *w, void *out, int64_t T,
                         int64_t H, float eps);
 typedef void (*rotary_fn)(void *x, int64_t row_stride, int64_t T, int64_t H, int64_t D,
@@ -203,11 +207,11 @@ void decode_stack_bf16(const struct kernels *k, const struct shape *s, const str
          * whose cached prefix another request of the step is computing); a decode token's
          * block is its own request's last, which no other part reads, and the decode kernel
          * stores it itself */
-        /* their cache lines asked for first, all at once: one copy after another, each
-         * waiting for its lines, took about 1 ms a decode step (docs/performance.md, session
-         * 25) */
+        /* their cache lines asked for first, all at once (-DKV_PREFETCH=0: not): one copy
+         * after another, each waiting for its lines, took 0.14-0.29 ms of a 16-token decode
+         * step on one thread, 0.03-0.14 so (docs/performance.md, session 25) */
         for (int64_t i = 0; i < st->num_parts; i++)
-            if (st->parts[i].prefill)
+            if (KV_PREFETCH && st->parts[i].prefill)
                 for (int64_t r = 0; r < st->parts[i].n; r++) {
                     const int64_t at = st->slots[st->parts[i].start + r] * kv_size * 2;
                     for (int64_t b = 0; b < kv_size * 2; b += 64) {
