@@ -180,10 +180,10 @@ def report(rows: list[dict], stack) -> dict[str, float]:
             "gate_up": 2 * spec.intermediate_size * spec.hidden_size,
             "down": spec.hidden_size * spec.intermediate_size,
         }
-        print("  in-step weight read rate (GB/s, mean time):")
+        print("  in-step weight read rate (GB/s, median time):")
         for name, weights in per_layer.items():
             nbytes = weights * Q4_BYTES_PER_WEIGHT * len(stack.layers)
-            print(f"    {name:8s} {nbytes / 1e6:6.1f} MB  {nbytes / mean['  ' + name] / 1e6:6.1f}")
+            print(f"    {name:8s} {nbytes / 1e6:6.1f} MB  {nbytes / med['  ' + name] / 1e6:6.1f}")
     return med
 
 
