@@ -33,6 +33,38 @@
 
 #include "common.h"
 
+/* -DSTACK_TIMING: wall time per kind of kernel, summed over calls, for benchmarks/decode_step.py
+ * (decode_stack_timings reads and clears them). Off by default: the clock calls are not free. */
+enum { T_NORM, T_QKV, T_ROTARY, T_STORE, T_ATTN, T_O, T_GATE_UP, T_SILU, T_DOWN, T_N };
+#ifdef STACK_TIMING
+#include <time.h>
+static double timing[T_N];
+static double seconds(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+#define TIMED(slot, ...)                                                                       \
+    do {                                                                                       \
+        const double t0_ = seconds();                                                          \
+        __VA_ARGS__;                                                                           \
+        timing[slot] += seconds() - t0_;                                                       \
+    } while (0)
+int64_t decode_stack_timings(double *out)
+{
+    memcpy(out, timing, sizeof timing);
+    memset(timing, 0, sizeof timing);
+    return T_N;
+}
+#else
+#define TIMED(slot, ...) __VA_ARGS__
+#endif
+
+#ifndef KV_PREFETCH /* (see the K/V stores below) */
+#define KV_PREFETCH 1
+#endif
+
 typedef void (*norm_fn)(void *x, const void *delta, const void *w, void *out, int64_t T,
                         int64_t H, float eps);
 typedef void (*rotary_fn)(void *x, int64_t row_stride, int64_t T, int64_t H, int64_t D,
@@ -168,19 +200,32 @@ void decode_stack_bf16(const struct kernels *k, const struct shape *s, const str
     for (int64_t l = 0; l < num_layers; l++) {
         const struct layer *ly = &layers[l];
         const int kept_only = l == num_layers - 1 && st->kept_rows;
-        k->norm(x, delta, ly->input_norm, buf->h, B, H, s->eps);
-        project(k, ly->qkv, buf->h, qkv, B, qkv_row, H, buf->part);
-        k->rotary(qkv, qkv_row, B, Hq + Hkv, D, st->cos, st->sin);
+        TIMED(T_NORM, k->norm(x, delta, ly->input_norm, buf->h, B, H, s->eps));
+        TIMED(T_QKV, project(k, ly->qkv, buf->h, qkv, B, qkv_row, H, buf->part));
+        TIMED(T_ROTARY, k->rotary(qkv, qkv_row, B, Hq + Hkv, D, st->cos, st->sin));
         /* prompt tokens' K/V first: another part may read the blocks they fill (a request
          * whose cached prefix another request of the step is computing); a decode token's
          * block is its own request's last, which no other part reads, and the decode kernel
          * stores it itself */
+        /* their cache lines asked for first, all at once (-DKV_PREFETCH=0: not): one copy
+         * after another, each waiting for its lines, took 0.14-0.29 ms of a 16-token decode
+         * step on one thread, 0.03-0.14 so (docs/performance.md, session 25) */
+        for (int64_t i = 0; i < st->num_parts; i++)
+            if (KV_PREFETCH && st->parts[i].prefill)
+                for (int64_t r = 0; r < st->parts[i].n; r++) {
+                    const int64_t at = st->slots[st->parts[i].start + r] * kv_size * 2;
+                    for (int64_t b = 0; b < kv_size * 2; b += 64) {
+                        __builtin_prefetch((char *)ly->k_cache + at + b, 1);
+                        __builtin_prefetch((char *)ly->v_cache + at + b, 1);
+                    }
+                }
         for (int64_t i = 0; i < st->num_parts; i++) {
             const struct part *p = &st->parts[i];
             const uint16_t *kn = qkv + p->start * qkv_row + q_size;
             if (p->prefill)
-                store_new_tokens(kn, qkv_row, kn + kv_size, qkv_row, ly->k_cache, ly->v_cache,
-                                 st->slots + p->start, p->n, Hkv, 2, (int)D);
+                TIMED(T_STORE, store_new_tokens(kn, qkv_row, kn + kv_size, qkv_row, ly->k_cache,
+                                                ly->v_cache, st->slots + p->start, p->n, Hkv, 2,
+                                                (int)D));
         }
         /* the prompt chunks (with batch invariance every decode token is one) in one call */
         const int64_t P = st->num_parts;
@@ -201,29 +246,31 @@ void decode_stack_bf16(const struct kernels *k, const struct shape *s, const str
                 pq[np] = q, pb[np] = p->blocks, pn[np] = p->n - skip, pc[np] = p->max_len;
                 po[np++] = a;
             } else if (p->prefill)
-                k->prefill(q, qkv_row, ly->k_cache, ly->v_cache, p->blocks, s->block_size,
-                           p->n - skip, p->max_len, Hq, Hkv, D, s->scale, a, q_size,
-                           st->prefill_scratch);
+                TIMED(T_ATTN, k->prefill(q, qkv_row, ly->k_cache, ly->v_cache, p->blocks,
+                                         s->block_size, p->n - skip, p->max_len, Hq, Hkv, D,
+                                         s->scale, a, q_size, st->prefill_scratch));
             else
-                k->attention(q, qkv_row, kn, qkv_row, vn, qkv_row, ly->k_cache, ly->v_cache,
-                             st->slots + p->start, p->blocks, p->max_blocks, p->context_lens,
-                             p->n, Hq, Hkv, s->block_size, p->max_len, s->scale, a);
+                TIMED(T_ATTN, k->attention(q, qkv_row, kn, qkv_row, vn, qkv_row, ly->k_cache,
+                                           ly->v_cache, st->slots + p->start, p->blocks,
+                                           p->max_blocks, p->context_lens, p->n, Hq, Hkv,
+                                           s->block_size, p->max_len, s->scale, a));
         }
         if (np) /* (after the decode parts: no chunk reads a block a decode token fills) */
-            k->prefill_many(np, pq, pb, pn, pc, po, qkv_row, ly->k_cache, ly->v_cache,
-                            s->block_size, Hq, Hkv, D, s->scale, q_size);
+            TIMED(T_ATTN, k->prefill_many(np, pq, pb, pn, pc, po, qkv_row, ly->k_cache,
+                                          ly->v_cache, s->block_size, Hq, Hkv, D, s->scale,
+                                          q_size));
         if (kept_only) { /* x's kept rows (ascending) to its first K */
             R = st->K;
             for (int64_t r = 0; r < R; r++)
                 if (st->kept_rows[r] != r)
                     memcpy((uint16_t *)x + r * H, (uint16_t *)x + st->kept_rows[r] * H, 2 * H);
         }
-        project(k, ly->o, buf->attn, buf->delta, R, H, q_size, buf->part);
-        k->norm(x, buf->delta, ly->post_norm, buf->h, R, H, s->eps);
-        project(k, ly->gate_up, buf->h, buf->gate_up, R, 2 * I, H, buf->part);
-        k->silu(buf->gate_up, buf->act, R, I);
-        project(k, ly->down, buf->act, buf->delta, R, H, I, buf->part);
+        TIMED(T_O, project(k, ly->o, buf->attn, buf->delta, R, H, q_size, buf->part));
+        TIMED(T_NORM, k->norm(x, buf->delta, ly->post_norm, buf->h, R, H, s->eps));
+        TIMED(T_GATE_UP, project(k, ly->gate_up, buf->h, buf->gate_up, R, 2 * I, H, buf->part));
+        TIMED(T_SILU, k->silu(buf->gate_up, buf->act, R, I));
+        TIMED(T_DOWN, project(k, ly->down, buf->act, buf->delta, R, H, I, buf->part));
         delta = buf->delta;
     }
-    k->norm(x, delta, final_norm, out, R, H, s->eps);
+    TIMED(T_NORM, k->norm(x, delta, final_norm, out, R, H, s->eps));
 }

@@ -123,6 +123,31 @@ INLINE void transpose16(__m512i r[16])
     }
 }
 
+/* Software prefetch, chunks of KC keys ahead (0: none). A decode step reads its K and V from
+ * memory, a row of one head (128 bytes in the default model) per slot, through tile loads and
+ * pack_vt's loads that each wait for their lines; asking for the next chunk's lines while this
+ * one is computed took a 16-token decode step's attention from 24-26 to 20-21 ms on one thread
+ * (2 chunks ahead: no better; docs/performance.md, session 25). */
+#ifndef ATTN_PREFETCH
+#define ATTN_PREFETCH 1
+#endif
+
+/* Asks for the lines of chunk c's keys of KV head h in `cache` (K or V); nothing past ctx or
+ * wholly before lo (whose blocks may have been given back). */
+INLINE void prefetch_chunk(const uint16_t *cache, const int64_t *blocks, int64_t block_size,
+                           int64_t lo, int64_t ctx, int64_t Hkv, int64_t D, int64_t h, int64_t c)
+{
+    for (int64_t t0 = c * KC; t0 < c * KC + KC && t0 < ctx; t0 += 16) { /* one block's 16 */
+        if (t0 + 16 <= lo)
+            continue;
+        const char *row = (const char *)(cache + (slot_of(blocks, block_size, t0) * Hkv + h) * D);
+        const int64_t keys = ctx - t0 < 16 ? ctx - t0 : 16;
+        for (int64_t k = 0; k < keys; k++)
+            for (int64_t b = 0; b < D * 2; b += 64)
+                _mm_prefetch(row + k * Hkv * D * 2 + b, _MM_HINT_T0);
+    }
+}
+
 /* V^T of chunk c of KV head h: for each slab of 16 dims, 16 rows (dims) of 32 keys. Pairs of
  * keys are interleaved first (each 32-bit word then holds one dim of both), then the 16 x 16
  * words of the slab are transposed: row d holds dim d of the 16 pairs. */
@@ -130,6 +155,8 @@ static void pack_vt(const uint16_t *v_cache, const int64_t *blocks, int64_t bloc
                     int64_t lo, int64_t ctx, int64_t Hkv, int64_t D, int64_t h, int64_t c,
                     uint16_t *dst)
 {
+    if (ATTN_PREFETCH && (c + ATTN_PREFETCH) * KC < ctx)
+        prefetch_chunk(v_cache, blocks, block_size, lo, ctx, Hkv, D, h, c + ATTN_PREFETCH);
     const __m512i pairs = pair_up();
     const uint16_t *rows[KC];
     for (int64_t k = 0; k < KC; k++) { /* keys before lo (no query's) as zeros, never read */
@@ -313,6 +340,8 @@ static void attend_tile(const uint16_t *q, int64_t q_stride, const uint16_t *k_c
         if (c + 1 < chunks)
             chunk_scores(k_cache, blocks, block_size, lo, ctx, Hkv, D, h, c + 1, qt,
                          s[(c + 1) & 1]);
+        if (ATTN_PREFETCH && c + 1 + ATTN_PREFETCH < chunks)
+            prefetch_chunk(k_cache, blocks, block_size, lo, ctx, Hkv, D, h, c + 1 + ATTN_PREFETCH);
         if (softcap > 0.f)
             for (int k = 0; k < KC; k++)
                 _mm512_store_ps(sc + k * QT,
@@ -681,9 +710,14 @@ void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_c
  * 16-request decode step the threads spent most of attention waiting (docs/performance.md,
  * session 24). Here every chunk's packing, then every chunk's tiles, are one pool of items for
  * the threads; each (chunk, head, tile) is computed by the same code as alone, so a token's
- * numbers do not change. Chunk i: its queries q[i] (rows q_stride apart), n[i] of them, the
- * last of a context of ctx[i] tokens in blocks[i]; output to out[i]. Full attention, no
- * soft-capping. The packed V of every chunk lives in a buffer kept between calls. */
+ * numbers do not change. A chunk with one tile a head (a decode token: its G query heads fill
+ * a tile's lanes) packs its V and attends in one item, all its heads in turn: its V^T is still
+ * in cache when the tiles read it, one thread reads all of each slot's K and V rows (the heads'
+ * rows lie side by side), and a step of such chunks alone has no barrier between packing and
+ * attending (docs/performance.md, session 25). Chunk i: its queries q[i] (rows q_stride apart),
+ * n[i] of them, the last of a context of ctx[i] tokens in blocks[i]; output to out[i]. Full
+ * attention, no soft-capping. The packed V of every chunk lives in a buffer kept between
+ * calls. */
 void paged_prefill_bf16_many(int64_t num, const uint16_t *const *q, const int64_t *const *blocks,
                              const int64_t *n, const int64_t *ctx, uint16_t *const *out,
                              int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
@@ -692,13 +726,17 @@ void paged_prefill_bf16_many(int64_t num, const uint16_t *const *q, const int64_
 {
     static uint16_t *buffer;
     static int64_t buffer_bytes;
+    const int64_t G = Hq / Hkv;
     int64_t *at = malloc((size_t)(3 * num + 3) * sizeof(int64_t));
-    int64_t *packs = at + num + 1, *tiles = packs + num + 1; /* prefix sums of items */
+    /* prefix sums of items: packing (of chunks of several tiles a head), and the attending:
+     * a tile each (of those) or one for the chunk (one tile a head) */
+    int64_t *packs = at + num + 1, *tiles = packs + num + 1;
     at[0] = packs[0] = tiles[0] = 0;
     for (int64_t i = 0; i < num; i++) {
+        const int64_t per_head = (n[i] * G + QT - 1) / QT;
         at[i + 1] = at[i] + paged_prefill_scratch_bytes(ctx[i], Hkv, D);
-        packs[i + 1] = packs[i] + Hkv * ((ctx[i] + KC - 1) / KC);
-        tiles[i + 1] = tiles[i] + Hkv * ((n[i] * (Hq / Hkv) + QT - 1) / QT);
+        packs[i + 1] = packs[i] + (per_head > 1 ? Hkv * ((ctx[i] + KC - 1) / KC) : 0);
+        tiles[i + 1] = tiles[i] + (per_head > 1 ? Hkv * per_head : 1);
     }
     if (at[num] > buffer_bytes) {
         free(buffer);
@@ -709,15 +747,17 @@ void paged_prefill_bf16_many(int64_t num, const uint16_t *const *q, const int64_
 #pragma omp parallel
     {
         int64_t i = 0;
+        if (packs[num]) { /* (the same for every thread: all of them skip it, or none) */
 #pragma omp for schedule(static)
-        for (int64_t item = 0; item < packs[num]; item++) {
-            while (item >= packs[i + 1])
-                i++;
-            while (item < packs[i])
-                i--;
-            const int64_t chunks = (ctx[i] + KC - 1) / KC, hc = item - packs[i];
-            pack_vt(v_cache, blocks[i], block_size, 0, ctx[i], Hkv, D, hc / chunks, hc % chunks,
-                    (uint16_t *)((char *)buffer + at[i]) + hc * D * KC);
+            for (int64_t item = 0; item < packs[num]; item++) {
+                while (item >= packs[i + 1])
+                    i++;
+                while (item < packs[i])
+                    i--;
+                const int64_t chunks = (ctx[i] + KC - 1) / KC, hc = item - packs[i];
+                pack_vt(v_cache, blocks[i], block_size, 0, ctx[i], Hkv, D, hc / chunks,
+                        hc % chunks, (uint16_t *)((char *)buffer + at[i]) + hc * D * KC);
+            }
         }
         struct tile_config cfg = {.palette = 1};
         for (int t = 0; t < 8; t++) {
@@ -726,17 +766,28 @@ void paged_prefill_bf16_many(int64_t num, const uint16_t *const *q, const int64_
         }
         _tile_loadconfig(&cfg);
         i = 0;
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1) nowait
         for (int64_t item = 0; item < tiles[num]; item++) {
             while (item >= tiles[i + 1])
                 i++;
             while (item < tiles[i])
                 i--;
+            uint16_t *vt = (uint16_t *)((char *)buffer + at[i]);
+            if (tiles[i + 1] - tiles[i] == 1) { /* one tile a head: V^T, then the tiles */
+                const int64_t chunks = (ctx[i] + KC - 1) / KC;
+                for (int64_t c = 0; c < chunks; c++)
+                    for (int64_t h = 0; h < Hkv; h++)
+                        pack_vt(v_cache, blocks[i], block_size, 0, ctx[i], Hkv, D, h, c,
+                                vt + (h * chunks + c) * D * KC);
+                for (int64_t h = 0; h < Hkv; h++)
+                    attend_tile(q[i], q_stride, k_cache, vt, blocks[i], block_size, n[i], ctx[i],
+                                Hq, Hkv, D, h, 0, scale, 0, 0.f, out[i], out_stride);
+                continue;
+            }
             const int64_t own = item - tiles[i], count = (tiles[i + 1] - tiles[i]) / Hkv;
             const int64_t tile = count - 1 - own / Hkv, h = own % Hkv;
-            attend_tile(q[i], q_stride, k_cache, (uint16_t *)((char *)buffer + at[i]), blocks[i],
-                        block_size, n[i], ctx[i], Hq, Hkv, D, h, tile * QT, scale, 0, 0.f, out[i],
-                        out_stride);
+            attend_tile(q[i], q_stride, k_cache, vt, blocks[i], block_size, n[i], ctx[i], Hq,
+                        Hkv, D, h, tile * QT, scale, 0, 0.f, out[i], out_stride);
         }
         _tile_release();
     }
