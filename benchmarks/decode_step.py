@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.workloads import cpu_kind
 from servelm import LLM, SamplingParams
 from servelm.engine.requests import child_requests
 from servelm.kernels.build import load_library
@@ -231,7 +232,7 @@ def main() -> None:
             print(f"round {r} side {name}: {len(got)} decode steps of {args.batch} tokens")
             summary[name].append(report(got, stack))
     print(
-        f"all rounds: context {args.context}-{args.context + args.steps}, "
+        f"all rounds: {cpu_kind()}, context {args.context}-{args.context + args.steps}, "
         f"{torch.get_num_threads()} threads; ms per step (median, mean)"
     )
     for name in sides:
@@ -250,7 +251,7 @@ def main() -> None:
         for name, figures in cold_matmuls(llm, args.batch, max(1, args.rounds)).items():
             print("    " + name + ": " + ", ".join(f"{k} {v:.1f}" for k, v in figures.items()))
     if args.json:
-        Path(args.json).write_text(json.dumps(rows))
+        Path(args.json).write_text(json.dumps({"cpu": cpu_kind(), "rows": rows}))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import tempfile
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from benchmarks.workloads import cpu_kind
 from tests.gguf_kquants import Q, quantize_k
 from tests.store.gguf_models import MERGES, SPECIALS, TOKENS
 
@@ -36,13 +36,6 @@ FORMS = {
     "Q4_1": lambda name: Q.Q4_1,
     "bf16": lambda name: Q.F32,
 }
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def write_gguf(path: Path, weights: dict[str, np.ndarray], form: str, dims: dict) -> None:
@@ -166,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     from servelm.store.gguf_import import import_gguf
 
+    print(f"{cpu_kind()}: decode of a {dims} model, {args.tokens} tokens a round")
     weights = random_weights(dims)
     forms = args.forms.split(",")
     with tempfile.TemporaryDirectory() as tmp:
@@ -196,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{read / 1e6 / ms:6.2f} GB/s  ({served[form].served})",
             flush=True,
         )
-    result = dict(cpu=cpu_name(), dims=dims, tokens=args.tokens, threads=args.threads, results=rows)
+    result = dict(cpu=cpu_kind(), dims=dims, tokens=args.tokens, threads=args.threads, results=rows)
     print(json.dumps(result, indent=2))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")

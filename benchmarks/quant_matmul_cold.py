@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.workloads import cpu_kind
 from servelm.kernels.build import load_library
 from servelm.kernels.quant_matmul import SOURCE, QuantMatmul
 
@@ -92,7 +93,10 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     batches = [(int(b), False) for b in args.batch.split(",") if b]
     batches += [(int(b), True) for b in args.prompt_rows.split(",") if b]
-    print(f"{args.threads} threads, {args.mb:.0f} MB of copies, best of {args.rounds} rounds")
+    print(
+        f"{cpu_kind()}: {args.threads} threads, {args.mb:.0f} MB of copies, "
+        f"best of {args.rounds} rounds"
+    )
     if len(sides) == 2:
         print(f"A: {SOURCE} {' '.join(flags)}\nB: {args.vs or SOURCE} {args.vs_flags or ''}")
     for name, kind, rows, cols in SHAPES:

@@ -76,7 +76,7 @@ def measure(model_dir: Path, tp: int, tokens: int) -> dict:
 
 
 def main() -> None:
-    from benchmarks.gguf_types import cpu_name
+    from benchmarks.workloads import cpu_kind
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=DIMS["layers"])
@@ -104,7 +104,7 @@ def main() -> None:
     if args.json:
         args.json.write_text(
             json.dumps(
-                {"cpu": cpu_name(), "dims": DIMS, "layers": args.layers, "runs": rows}, indent=1
+                {"cpu": cpu_kind(), "dims": DIMS, "layers": args.layers, "runs": rows}, indent=1
             )
         )
 
