@@ -43,7 +43,6 @@
  * same bits as the AVX2 build (int_tile_wide).
  */
 
-#include <omp.h>
 #include <stdlib.h>
 
 #include "common.h"
@@ -56,16 +55,6 @@
 #define PREFETCH 8 /* blocks ahead, in the order read */
 #endif
 #define MAX_B 16 /* rows of x a block function takes */
-/* How the threads share W: blocks (pairs of blocks, on the tiles) in turns of WALK each, or
- * with 0 in one contiguous range each. */
-#ifndef WALK
-#define WALK 0
-#endif
-#if WALK
-#define WALK_SCHEDULE schedule(static, WALK)
-#else
-#define WALK_SCHEDULE schedule(static)
-#endif
 /* Rows of x per pass over W. With AVX2 alone each pass unpacks every group's quants into
  * float32 again, so fewer, wider passes are faster (docs/performance.md). AVX-512 keeps 8 (not
  * measured there). */
@@ -490,7 +479,7 @@ static void run(const pass_fn *passes, const uint16_t *x, const float *f, int64_
                 int64_t N, int64_t K)
 {
     const int fixed = invariant;
-#pragma omp parallel for WALK_SCHEDULE
+#pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N / LANES; n++)
         for (int64_t b0 = 0; b0 < B; b0 += PASS_B) {
             const int64_t nb = B - b0 < PASS_B ? B - b0 : PASS_B;
@@ -695,10 +684,10 @@ static void q4_gemm_amx(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_
         uint16_t *w0 = aligned_alloc(64, (size_t)(2 * per_block) * 2);
         uint16_t *w1 = w0 + per_block;
         /* bytes from a pair's quants to those of the thread's next pair */
-        const int64_t next = 2 * G * Q4_BYTES * (WALK == 1 ? omp_get_num_threads() : 1);
+        const int64_t next = 2 * G * Q4_BYTES;
         for (int64_t t0 = 0; t0 < tiles; t0 += chunk) {
             const int64_t t1 = t0 + chunk < tiles ? t0 + chunk : tiles;
-#pragma omp for WALK_SCHEDULE
+#pragma omp for schedule(static)
             for (int64_t pair = 0; pair < (blocks + 1) / 2; pair++) {
                 const uint8_t *q0 = w + 2 * pair * G * Q4_BYTES, *q1 = q0 + G * Q4_BYTES;
                 uint16_t *second = 2 * pair + 1 < blocks ? w1 : NULL; /* N % 32 == 16: one */
