@@ -179,27 +179,7 @@ INLINE void kq_prep(const int type, const uint8_t *blk, float *p)
     }
 #endif
 }
-#else
-INLINE void kq_prep(const int type, const uint8_t *blk, float *p)
-{
-    if (type == GGUF_Q8_0) {
-        p[0] = half_at(blk);
-        return;
-    }
-    uint8_t b[16]; /* the 16 integers: Q6_K's int8 scales, or Q4_K's m0-7 then sc0-7 */
-    float d, lo; /* what b[8..15] and b[0..7] are multiplied by */
-    if (type == GGUF_Q6_K) {
-        memcpy(b, blk + 192, 16);
-        d = lo = half_at(blk + 208);
-    } else {
-        scale_min_k4(blk + 4, b + 8, b);
-        d = half_at(blk);
-        lo = half_at(blk + 2);
-    }
-    for (int i = 0; i < 16; i++)
-        p[i] = (i < 8 ? lo : d) * (float)(type == GGUF_Q6_K ? (int)(int8_t)b[i] : (int)b[i]);
-}
-#endif
+#endif /* (the c build has no kq_prep: gguf_matmul_c unpacks whole blocks) */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__F16C__)
 /* With AVX-512 BF16: each chunk of 32 quants becomes the bfloat16 numbers q (Q6_K: q - 32),
