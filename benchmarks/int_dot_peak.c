@@ -7,8 +7,11 @@
  *
  * (-march=native: the instructions this CPU lacks are left out, by the feature macros.) */
 #include <immintrin.h>
+#include <stdint.h>
 #include <stdio.h>
+#include <sys/syscall.h>
 #include <time.h>
+#include <unistd.h>
 
 #define ITERS 20000000L
 
@@ -61,6 +64,52 @@ static void maddwd(void) { __m256i w = _mm256_set1_epi16(3), x = w; CHAINS(__m25
 static void fma16(void) { __m512 w = _mm512_set1_ps(1.f), x = _mm512_set1_ps(1e-9f); CHAINS(__m512, x, FMA16) }
 #endif
 
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+/* The tile unit: tdpbf16ps (16 x 16 x 32 bfloat16 multiply-adds) into 4 accumulator tiles
+ * from operand tiles already loaded (amx) and, as the q4 kernel runs it, from two x and two W
+ * tiles loaded from L1 each time (amx + loads). Returns tdpbf16ps a ns. */
+struct tile_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+};
+static double amx_rate(int loads)
+{
+    static __attribute__((aligned(64))) uint16_t buf[4][16 * 32];
+    struct tile_config cfg = {.palette = 1};
+    for (int t = 0; t < 8; t++)
+        cfg.rows[t] = 16, cfg.bytes_per_row[t] = 64;
+    _tile_loadconfig(&cfg);
+    _tile_loadd(4, buf[0], 64);
+    _tile_loadd(5, buf[1], 64);
+    _tile_loadd(6, buf[2], 64);
+    _tile_loadd(7, buf[3], 64);
+    double best = 1e9;
+    const long iters = ITERS / 4;
+    for (int rep = 0; rep < 3; rep++) {
+        const double t0 = cpu_seconds();
+        for (long it = 0; it < iters; it++) {
+            if (loads) {
+                _tile_loadd(4, buf[0], 64);
+                _tile_loadd(6, buf[2], 64);
+            }
+            _tile_dpbf16ps(0, 4, 6);
+            if (loads)
+                _tile_loadd(7, buf[3], 64);
+            _tile_dpbf16ps(1, 4, 7);
+            if (loads)
+                _tile_loadd(5, buf[1], 64);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        const double t = cpu_seconds() - t0;
+        best = t < best ? t : best;
+    }
+    _tile_release();
+    return iters * 4.0 / best / 1e9;
+}
+#endif
+
 int main(void)
 {
     long v = 0;
@@ -85,5 +134,15 @@ int main(void)
         printf("%-32s %.2f /ns a core: %6.0f GOP/s a core, %6.0f on 2 cores\n", kinds[k].name, r,
                2 * r * kinds[k].macs, 4 * r * kinds[k].macs);
     }
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+    const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0)
+        for (int loads = 0; loads < 2; loads++) {
+            const double r = amx_rate(loads); /* 16 x 16 x 32 multiply-adds each */
+            printf("%-32s %.3f /ns a core: %6.0f GOP/s a core, %6.0f on 2 cores\n",
+                   loads ? "tdpbf16ps, 4 tile loads a 4" : "tdpbf16ps (bfloat16 tiles)", r,
+                   2 * r * 8192, 4 * r * 8192);
+        }
+#endif
     return 0;
 }

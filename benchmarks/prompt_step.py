@@ -14,11 +14,16 @@ root needed) shows by function:
 
     perf record -e cpu-clock -o /tmp/p.data -- .venv/bin/python benchmarks/prompt_step.py
     perf report -i /tmp/p.data --sort dso,sym | head -40
+
+`--timers` builds the C layer loop with -DSTACK_TIMING (as `benchmarks/decode_step.py` does)
+and adds the step's milliseconds kernel by kernel (medians), with each projection's rate in
+GOP/s.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
 import time
 
@@ -32,18 +37,33 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--timers", action="store_true", help="kernel by kernel (-DSTACK_TIMING)")
     args = ap.parse_args()
     llm = LLM(args.model, enable_prefix_caching=False)
     runner = llm.engine.executor
+    reader, kernels, per_kernel = None, None, []
+    if args.timers:
+        from benchmarks.decode_step import SLOTS, side
+
+        stack = runner.decode_stack
+        if stack is None:
+            raise SystemExit("this engine runs no C layer loop (decode_stack)")
+        stack.fn, reader, stack.kernels.prefill_many = side(stack, (), True)
+        kernels = (ctypes.c_double * len(SLOTS))()
     params = SamplingParams(temperature=0, max_tokens=1)
     times, cpu = [], []
     threads = torch.get_num_threads()
     for i in range(args.repeat + 1):  # the first warms up
         prompt = [100 + (i * 31 + j) % 40000 for j in range(args.tokens)]
+        if reader is not None:
+            reader(kernels)  # (clears them)
         t0, c0 = time.perf_counter(), time.process_time()
         llm.generate([prompt], params)
         times.append(time.perf_counter() - t0)
         cpu.append((time.process_time() - c0) / threads)
+        if reader is not None:
+            reader(kernels)
+            per_kernel.append(list(kernels))
     times, cpu = times[1:], cpu[1:]
     from servelm.model.layers.linear import Linear
 
@@ -58,6 +78,24 @@ def main() -> None:
           f"of {args.repeat}; int4 matmuls over the whole fastest step: {rate:.0f} GOP/s; "
           f"CPU time per thread: fastest {min(cpu) * 1e3:.1f} ms, median "
           f"{statistics.median(cpu) * 1e3:.1f} ms")  # fmt: skip
+    if per_kernel:
+        spec = runner.model.spec
+        weights = {  # a layer's, by projection
+            "qkv": (spec.q_size + 2 * spec.kv_size) * spec.hidden_size,
+            "o": spec.hidden_size * spec.q_size,
+            "gate_up": 2 * spec.intermediate_size * spec.hidden_size,
+            "down": spec.hidden_size * spec.intermediate_size,
+        }
+        layers = spec.num_layers
+        print(f"kernel by kernel, ms (median of {args.repeat}), {threads} threads:")
+        for i, name in enumerate(SLOTS):
+            ms = statistics.median(row[i] for row in per_kernel[1:]) * 1e3
+            line = f"  {name:10s} {ms:7.2f}"
+            if name in weights:
+                line += f"  {2 * weights[name] * layers * args.tokens / ms / 1e6:6.0f} GOP/s"
+            print(line)
+        total = statistics.median(sum(row) for row in per_kernel[1:]) * 1e3
+        print(f"  {'sum':10s} {total:7.2f} of the step's median {statistics.median(times) * 1e3:.2f}")
 
 
 if __name__ == "__main__":

@@ -127,7 +127,7 @@ def main() -> None:
         f"{'rows':>5} {'as run here':>14} {'vector path':>14} {'ratio':>6}"
         + (f" {'int8 x':>14} {'ratio':>6}" if int8 else "")
     )
-    for batch in (int(b) for b in args.batch.split(",")):
+    for batch in (int(b) for b in args.batch.split(",") if b):
         x_by_cols = {
             c: torch.randn(batch, c, generator=g).bfloat16() for c in {c for _, c in LAYER}
         }

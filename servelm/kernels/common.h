@@ -157,6 +157,18 @@ INLINE __m512 exp_approx16(__m512 x)
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
     return _mm512_scalef_ps(p, n);
 }
+
+#if defined(__AVX512BF16__)
+/* silu(gate) * up for 16 lanes of bfloat16 values, silu rounded to bfloat16 (the caller rounds
+ * the product as it stores it): silu_and_mul (cpu_ops.c) and the q4 gate/up tiles' fused stores
+ * (quant_matmul.c) both call this, so that fused and unfused give the same bits. */
+INLINE __m512 silu_mul16(__m512 gate, __m512 up)
+{
+    const __m512 e = exp_approx16(_mm512_mul_ps(gate, _mm512_set1_ps(-1.f)));
+    return _mm512_mul_ps(round_bf16_16(_mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.f), e))),
+                         up);
+}
+#endif
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)

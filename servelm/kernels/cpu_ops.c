@@ -101,28 +101,32 @@ typedef __m512 vec;
 #define V_LOAD load_bf16
 #define V_STORE store_bf16
 #define V_ROUND round_bf16_16
-#define V_EXP exp_approx16
 #define V_ADD _mm512_add_ps
 #define V_MUL _mm512_mul_ps
-#define V_DIV _mm512_div_ps
 #define V_FMA _mm512_fmadd_ps
 #define V_SET1 _mm512_set1_ps
 #define V_ZERO _mm512_setzero_ps
 #define V_SUM _mm512_reduce_add_ps
+#define V_SILU_MUL silu_mul16
 #elif defined(__AVX2__) && defined(__FMA__)
 #define LANES_ 8
 typedef __m256 vec;
 #define V_LOAD load_bf16_8
 #define V_STORE store_bf16_8
 #define V_ROUND round_bf16_8
-#define V_EXP exp_approx8
 #define V_ADD _mm256_add_ps
 #define V_MUL _mm256_mul_ps
-#define V_DIV _mm256_div_ps
 #define V_FMA _mm256_fmadd_ps
 #define V_SET1 _mm256_set1_ps
 #define V_ZERO _mm256_setzero_ps
 #define V_SUM lanes_sum8
+INLINE __m256 silu_mul8(__m256 gate, __m256 up) /* as silu_mul16 (common.h), 8 lanes */
+{
+    const __m256 e = exp_approx8(_mm256_mul_ps(gate, _mm256_set1_ps(-1.f)));
+    return _mm256_mul_ps(round_bf16_8(_mm256_div_ps(gate, _mm256_add_ps(_mm256_set1_ps(1.f), e))),
+                         up);
+}
+#define V_SILU_MUL silu_mul8
 #endif
 
 #ifdef LANES_
@@ -190,16 +194,11 @@ void silu_and_mul_bf16(const void *gate_up_, void *out_, int64_t T, int64_t I)
     }
     const uint16_t *gate_up = gate_up_;
     uint16_t *out = out_;
-    const vec one = V_SET1(1.f);
 #pragma omp parallel for if (T * I >= 16384)
     for (int64_t t = 0; t < T; t++)
-        for (int64_t i = 0; i < I; i += LANES_) {
-            const vec g = V_LOAD(gate_up + t * 2 * I + i);
-            const vec e = V_EXP(V_MUL(g, V_SET1(-1.f)));
-            const vec silu = V_ROUND(V_DIV(g, V_ADD(one, e)));
-            const vec up = V_LOAD(gate_up + t * 2 * I + I + i);
-            V_STORE(out + t * I + i, V_MUL(silu, up));
-        }
+        for (int64_t i = 0; i < I; i += LANES_)
+            V_STORE(out + t * I + i, V_SILU_MUL(V_LOAD(gate_up + t * 2 * I + i),
+                                                V_LOAD(gate_up + t * 2 * I + I + i)));
 }
 #else
 DEFINE_OPS(bf16, 1)

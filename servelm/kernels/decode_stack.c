@@ -19,7 +19,8 @@
  *                                           (with batch invariance, a decode token too, as a
  *                                           prompt chunk of one)
  *   delta = a Wo^T;  h = norm(x += delta)   matmul, add_rms_norm
- *   delta = silu(h Wg^T) * (h Wu^T) Wd^T    matmul, silu_and_mul, matmul
+ *   delta = silu(h Wg^T) * (h Wu^T) Wd^T    matmul, silu_and_mul, matmul (the first two in
+ *                                           one on AMX tiles: q4_silu_matmul)
  *
  * and after the last layer out = norm(x += delta). Tensors are bfloat16, row-major. The last
  * layer, after storing every row's K/V, goes on with the step's K kept rows alone (a prompt
@@ -87,6 +88,8 @@ typedef void (*prefill_fn)(const uint16_t *q, int64_t q_stride, const uint16_t *
                            int64_t n, int64_t ctx, int64_t Hq, int64_t Hkv, int64_t D, float scale,
                            uint16_t *out, int64_t out_stride, uint16_t *scratch);
 
+typedef int64_t (*q4_silu_fn)(const uint16_t *x, const uint8_t *w, uint16_t *act, int64_t B,
+                              int64_t I, int64_t K);
 typedef void (*prefill_many_fn)(int64_t num, const uint16_t *const *q,
                                 const int64_t *const *blocks, const int64_t *n, const int64_t *ctx,
                                 uint16_t *const *out, int64_t q_stride, const uint16_t *k_cache,
@@ -104,6 +107,7 @@ struct kernels {
     gguf_fn gguf;       /* gguf_matmul_bf16 */
     q8_fn q8;           /* q8_matmul_bf16 */
     prefill_many_fn prefill_many; /* paged_prefill_bf16_many: every prompt chunk at once */
+    q4_silu_fn q4_silu; /* q4_silu_matmul_bf16: gate/up and silu_and_mul in one (0: not taken) */
 };
 
 struct shape {
@@ -267,8 +271,15 @@ void decode_stack_bf16(const struct kernels *k, const struct shape *s, const str
         }
         TIMED(T_O, project(k, ly->o, buf->attn, buf->delta, R, H, q_size, buf->part));
         TIMED(T_NORM, k->norm(x, buf->delta, ly->post_norm, buf->h, R, H, s->eps));
-        TIMED(T_GATE_UP, project(k, ly->gate_up, buf->h, buf->gate_up, R, 2 * I, H, buf->part));
-        TIMED(T_SILU, k->silu(buf->gate_up, buf->act, R, I));
+        /* a q4 gate/up on the tiles: silu_and_mul in the matmul's stores (the same bits) */
+        const struct proj *gu = ly->gate_up;
+        int64_t fused = 0;
+        if (k->q4_silu && gu->num_parts == 1 && gu->parts[0].kind == PART_Q4)
+            TIMED(T_GATE_UP, fused = k->q4_silu(buf->h, gu->parts[0].w, buf->act, R, I, H));
+        if (!fused) {
+            TIMED(T_GATE_UP, project(k, gu, buf->h, buf->gate_up, R, 2 * I, H, buf->part));
+            TIMED(T_SILU, k->silu(buf->gate_up, buf->act, R, I));
+        }
         TIMED(T_DOWN, project(k, ly->down, buf->act, buf->delta, R, H, I, buf->part));
         delta = buf->delta;
     }

@@ -536,19 +536,43 @@ INLINE void dequant_group(const uint8_t *wg, uint16_t *dst)
     }
 }
 
-/* The first `rows` rows of accumulator tile `tile` (16 x 16 float32) -> bfloat16 at y */
-static void store_tile(int tile, int rows, uint16_t *y, int64_t y_stride)
+/* A block's results on their way to y: its accumulator tiles, stored as float32 at the end of
+ * its gemm_block call, then rounded to bfloat16 (or put through silu) and written to y a few
+ * rows at a time while the tile unit works on the next block, so that the vector work and
+ * y's cache misses overlap the tile unit's instead of following it (docs/performance.md,
+ * session 26). Rows 0 .. ra - 1 are ya's (tiles 0, 1), then rb rows of yb's (tiles 2, 3). */
+struct epilogue {
+    __attribute__((aligned(64))) float acc[4][16 * 16];
+    uint16_t *ya, *yb;
+    int64_t N;              /* y's row length */
+    int ra, rb, done, todo; /* rows of ya, of yb; rows written, rows to write */
+    int wide, silu;         /* tiles 1 and 3 hold a second block; silu: see gemm_block */
+};
+
+/* Up to `count` more of e's rows to y: the silu of a gate and an up block's columns rounded
+ * to bfloat16 first, as storing the projection's output would, then silu_and_mul's arithmetic
+ * (silu_mul16), so that the bits are those of the two kernels one after the other. */
+INLINE void epilogue_rows(struct epilogue *e, int count)
 {
-    __attribute__((aligned(64))) float buf[16 * 16];
-    switch (tile) { /* tile numbers are immediates */
-    case 0: _tile_stored(0, buf, 64); break;
-    case 1: _tile_stored(1, buf, 64); break;
-    case 2: _tile_stored(2, buf, 64); break;
-    default: _tile_stored(3, buf, 64); break;
+    for (; count > 0 && e->done < e->todo; count--, e->done++) {
+        const int second = e->done >= e->ra, r = second ? e->done - e->ra : e->done;
+        const float *lo = e->acc[2 * second] + 16 * r, *hi = e->acc[2 * second + 1] + 16 * r;
+        uint16_t *y = (second ? e->yb : e->ya) + r * e->N;
+        if (e->silu)
+            store_bf16(y, silu_mul16(round_bf16_16(_mm512_load_ps(lo)),
+                                     round_bf16_16(_mm512_load_ps(hi))));
+        else if (e->wide) /* 32 columns: one 64-byte store */
+            _mm512_storeu_si512(y, (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(hi),
+                                                                _mm512_load_ps(lo)));
+        else
+            store_bf16(y, _mm512_load_ps(lo));
     }
-    for (int r = 0; r < rows; r++)
-        store_bf16(y + r * y_stride, _mm512_load_ps(buf + 16 * r));
 }
+
+/* Rows of e written per group of the next block: 2 x 16 rows in 16 groups (K = 512) */
+#ifndef EPILOGUE_ROWS
+#define EPILOGUE_ROWS 2
+#endif
 
 /* Software prefetch of the quants, in groups ahead of the one unpacked (0: none). The tile path
  * does little else per byte at a few rows of x, so without it the unpacking waits on memory
@@ -594,11 +618,13 @@ INLINE void dequant_groups(const uint8_t *q0, const uint8_t *q1, uint16_t *w0, u
  * unit, so that the unpacking overlaps its work and a tile is not loaded while the stores that
  * wrote it are still on their way; ring: W tile g is at w + PAIR_ROWS * 32 * (g & ring) (-1:
  * every group its own). x_stride: bytes between an x tile's rows; ra, rb: rows of ya, yb to
- * write. */
+ * write, N apart, through e (which first writes the previous call's rows). silu: the blocks
+ * are a gate and an up block of the same columns, and ya, yb get silu(gate) * up (16 columns)
+ * instead of the two blocks' outputs. */
 static void gemm_block(const uint16_t *xa, int ra, const uint16_t *xb, int rb, int64_t x_stride,
                        int64_t x_group, uint16_t *w0, uint16_t *w1, const uint8_t *q0,
                        const uint8_t *q1, uint16_t *ya, uint16_t *yb, int64_t N, int64_t G,
-                       int64_t ring, int64_t next)
+                       int64_t ring, int64_t next, int silu, struct epilogue *e)
 {
     _tile_zero(0);
     _tile_zero(1);
@@ -629,15 +655,19 @@ static void gemm_block(const uint16_t *xa, int ra, const uint16_t *xb, int rb, i
             if (w1)
                 _tile_dpbf16ps(3, 5, 7);
         }
+        epilogue_rows(e, EPILOGUE_ROWS);
     }
-    store_tile(0, ra, ya, N);
+    epilogue_rows(e, e->todo);
+    _tile_stored(0, e->acc[0], 64);
     if (w1)
-        store_tile(1, ra, ya + LANES, N);
+        _tile_stored(1, e->acc[1], 64);
     if (xb) {
-        store_tile(2, rb, yb, N);
+        _tile_stored(2, e->acc[2], 64);
         if (w1)
-            store_tile(3, rb, yb + LANES, N);
+            _tile_stored(3, e->acc[3], 64);
     }
+    e->ya = ya, e->yb = yb, e->N = N, e->ra = ra, e->rb = xb ? rb : 0;
+    e->wide = w1 != NULL, e->silu = silu, e->done = 0, e->todo = e->ra + e->rb;
 }
 
 /* y [M, N] = x [M, K] W^T for q4 W on the tile unit. Each thread takes blocks of W two at a time
@@ -646,9 +676,11 @@ static void gemm_block(const uint16_t *xa, int ra, const uint16_t *xb, int rb, i
  * x tile is x itself, M rows of K apart (the tiles configured to M rows: each row's sums are
  * the same whatever M). From 17, x is first copied tile by tile ([M / 16][G][16 rows][32
  * inputs], the last tile's missing rows zero), so that each x tile loaded is 1 KiB in one
- * piece. */
+ * piece. silu: W is a gate/up projection (its first N / 2 rows the gate, then the up, N / 2 a
+ * whole number of blocks), and y [M, N / 2] gets silu(x Wg^T) * (x Wu^T): each thread takes a
+ * gate block with the up block of the same columns, in place of two neighbours. */
 static void q4_gemm_amx(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t M, int64_t N,
-                        int64_t K)
+                        int64_t K, int silu)
 {
     const int64_t G = K / GROUP, tiles = (M + 15) / 16, tile = 16 * GROUP, blocks = N / LANES;
     const int64_t chunk = CHUNK_BYTES / (16 * K * 2) > 2 ? CHUNK_BYTES / (16 * K * 2) : 2;
@@ -683,25 +715,29 @@ static void q4_gemm_amx(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_
         const int64_t per_block = (ring < 0 ? G : AMX_RING) * PAIR_ROWS * 32;
         uint16_t *w0 = aligned_alloc(64, (size_t)(2 * per_block) * 2);
         uint16_t *w1 = w0 + per_block;
-        /* bytes from a pair's quants to those of the thread's next pair */
-        const int64_t next = 2 * G * Q4_BYTES;
+        /* bytes from a pair's quants to those of the thread's next pair; y's row length */
+        const int64_t next = (silu ? 1 : 2) * G * Q4_BYTES, Y = silu ? N / 2 : N;
+        struct epilogue e = {.todo = 0};
         for (int64_t t0 = 0; t0 < tiles; t0 += chunk) {
             const int64_t t1 = t0 + chunk < tiles ? t0 + chunk : tiles;
 #pragma omp for schedule(static)
-            for (int64_t pair = 0; pair < (blocks + 1) / 2; pair++) {
-                const uint8_t *q0 = w + 2 * pair * G * Q4_BYTES, *q1 = q0 + G * Q4_BYTES;
-                uint16_t *second = 2 * pair + 1 < blocks ? w1 : NULL; /* N % 32 == 16: one */
+            for (int64_t pair = 0; pair < (silu ? blocks / 2 : (blocks + 1) / 2); pair++) {
+                const uint8_t *q0 = w + (silu ? 1 : 2) * pair * G * Q4_BYTES;
+                const uint8_t *q1 = q0 + (silu ? blocks / 2 : 1) * G * Q4_BYTES;
+                /* N % 32 == 16: the last pair has one block */
+                uint16_t *second = silu || 2 * pair + 1 < blocks ? w1 : NULL;
                 for (int64_t t = t0; t < t1; t += 2, q0 = q1 = NULL) {
                     const int ra = M - 16 * t < 16 ? (int)(M - 16 * t) : 16;
                     const int rb = M - 16 * (t + 1) < 16 ? (int)(M - 16 * (t + 1)) : 16;
-                    uint16_t *ya = y + 16 * t * N + 32 * pair;
+                    uint16_t *ya = y + 16 * t * Y + (silu ? LANES : 2 * LANES) * pair;
                     const uint16_t *xa = direct ? x : xt + t * G * tile;
                     gemm_block(xa, ra, t + 1 < t1 ? xt + (t + 1) * G * tile : NULL, rb,
-                               x_stride, x_group, w0, second, q0, q1, ya, ya + 16 * N, N, G,
-                               ring, next);
+                               x_stride, x_group, w0, second, q0, q1, ya, ya + 16 * Y, Y, G,
+                               ring, next, silu, &e);
                 }
             }
         }
+        epilogue_rows(&e, e.todo);
         free(w0);
         _tile_release();
     }
@@ -1302,7 +1338,7 @@ void q4_matmul_bf16(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t B,
 {
 #ifdef HAVE_AMX
     if (B >= (invariant ? 1 : amx_min_b) && amx_granted()) {
-        q4_gemm_amx(x, w, y, B, N, K);
+        q4_gemm_amx(x, w, y, B, N, K, 0);
         return;
     }
 #endif
@@ -1321,6 +1357,24 @@ void q4_matmul_bf16(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t B,
     }
     run(Q4_passes, x, f, per_row, w, y, 2, Q4_BYTES, B, N, K);
     free(f);
+}
+
+/* act [B, I] = silu(x Wg^T) * (x Wu^T), w the q4 gate/up projection [2I rows: the gate's,
+ * then the up's, K]: on the tiles, with silu_and_mul's arithmetic in the tiles' stores, bit for
+ * bit what q4_matmul_bf16 and then silu_and_mul_bf16 give, without writing the projection's
+ * output and reading it back. Returns 0, having done nothing, where q4_matmul_bf16 would not
+ * take the tiles or I is not a whole number of blocks: the caller runs the two kernels. */
+int64_t q4_silu_matmul_bf16(const uint16_t *x, const uint8_t *w, uint16_t *act, int64_t B,
+                            int64_t I, int64_t K)
+{
+#ifdef HAVE_AMX
+    if (B >= (invariant ? 1 : amx_min_b) && I % LANES == 0 && amx_granted()) {
+        q4_gemm_amx(x, w, act, B, 2 * I, K, 1);
+        return 1;
+    }
+#endif
+    (void)x, (void)w, (void)act, (void)B, (void)I, (void)K;
+    return 0;
 }
 
 void q8_matmul_bf16(const uint16_t *x, const uint8_t *w, float *y, int64_t B, int64_t N,

@@ -57,6 +57,8 @@ class QuantMatmul:
             fn = getattr(lib, f"{kind}_matmul_bf16")
             fn.argtypes, fn.restype = [_ptr, _ptr, _ptr, _i64, _i64, _i64], None
             self.fns[kind] = fn
+        self.silu_fn = lib.q4_silu_matmul_bf16  # the gate/up projection and silu_and_mul at once
+        self.silu_fn.argtypes, self.silu_fn.restype = [_ptr, _ptr, _ptr, _i64, _i64, _i64], _i64
         lib.q4_row_cutoffs.argtypes, lib.q4_row_cutoffs.restype = [_i64, _i64], None
         lib.q4_row_cutoffs(AMX_MIN_ROWS, INT_X_MIN_ROWS)  # by row count (paths.py)
         self._tile_min_rows = lib.q4_tile_min_rows
@@ -177,6 +179,17 @@ class QuantMatmul:
                 x.float(), self.dequantize_q4(packed, rows)
             ).bfloat16()
         return self._call("q4", Q4_BYTES, x, packed, rows)
+
+    def q4_silu(self, x: torch.Tensor, packed: torch.Tensor, rows: int) -> torch.Tensor | None:
+        """silu(gate) * up [B, rows / 2] bfloat16 for a gate/up projection `packed` of `rows`
+        rows (the gate's, then the up's), in one pass on the tiles: the bits of `q4` and then
+        silu_and_mul. None where this build or row count does not take the tiles."""
+        x = x.contiguous()
+        self._check("q4", Q4_BYTES, x, packed, rows)
+        act = torch.empty(x.shape[0], rows // 2, dtype=torch.bfloat16)
+        done = self.silu_fn(x.data_ptr(), packed.data_ptr(), act.data_ptr(), x.shape[0],
+                            rows // 2, x.shape[1])  # fmt: skip
+        return act if done else None
 
     def dequantize_q4(self, packed: torch.Tensor, rows: int) -> torch.Tensor:
         """The float32 weight [rows, K] that `packed` holds, in a buffer that the next call

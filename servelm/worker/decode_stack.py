@@ -46,6 +46,7 @@ class _Kernels(ctypes.Structure):
             "gguf",
             "q8",
             "prefill_many",
+            "q4_silu",
         )
     ]
 
@@ -240,6 +241,7 @@ class DecodeStack:
             _address(quant._gguf),  # gguf_matmul_bf16, as QuantMatmul.gguf calls it
             _address(quant.fns["q8"]),
             _address(attn.prefill_kernel.fn_many) if attn.prefill_kernel is not None else None,
+            _address(quant.silu_fn),
         )
         return cls(fn, model, attn, kernels, layers, max_rows, projs)
 

@@ -21,6 +21,7 @@ from servelm.kernels.paths import (
     TORCH_INT4_MAX_ROWS,
     cpu_has_bf16_matmul,
 )
+from servelm.kernels.cpu_ops import CpuOps
 from servelm.kernels.quant_matmul import ACTIVATIONS, QuantMatmul
 from servelm.model.layers.linear import Int4Weight, Linear, LogitsHead, Q8Weight, _on_grid
 from tests.kernels.variants import INTEGERS, TILES, flags, native, params
@@ -328,6 +329,26 @@ def test_tiles_give_decode_rows_the_bits_of_prompt_rows(kernel, shape):
     assert_rounded_once(many, x.double() @ loaded_bf16(w).T)
     for batch in (1, 3, 16, 17, 32):
         assert torch.equal(kernel.q4(x[:batch], packed, rows), many[:batch]), batch
+
+
+@pytest.mark.parametrize("batch", [1, 3, 16, 17, 33, 108])
+@pytest.mark.parametrize(("inter", "cols"), [(1536, 576), (48, 96), (16, 32)])
+def test_gate_up_with_silu_in_the_tile_stores_gives_the_two_kernels_bits(
+    kernel, variant, batch, inter, cols
+):
+    """q4_silu (the gate/up projection with silu_and_mul in its stores, on the tiles) gives
+    what q4 and then silu_and_mul give, bit for bit, at decode and prompt row counts, an odd
+    number of blocks a half included; a build without tiles declines it (None)."""
+    ops = CpuOps.load(flags(variant))
+    q, scale, low, _ = q4_weight(2 * inter, cols, seed=7)
+    packed = QuantMatmul.pack_q4(q, scale, low)
+    x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(3)).bfloat16()
+    fused = kernel.q4_silu(x, packed, 2 * inter)
+    if not on_tiles(kernel, batch):
+        assert fused is None
+        return
+    assert fused is not None and fused.shape == (batch, inter)
+    assert torch.equal(fused, ops.silu_and_mul(kernel.q4(x, packed, 2 * inter)))
 
 
 @pytest.mark.parametrize("batch", [1, 4, 9])
