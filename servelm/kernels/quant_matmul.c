@@ -672,43 +672,33 @@ static void gemm_block(const uint16_t *xa, int ra, const uint16_t *xb, int rb, i
 
 /* y [M, N] = x [M, K] W^T for q4 W on the tile unit. Each thread takes blocks of W two at a time
  * (32 columns), unpacks them to bfloat16 W tiles in its own buffer as the first two x tiles go
- * through, and runs the rest of the chunk's x tiles through those. Up to 16 rows (decode), the
- * x tile is x itself, M rows of K apart (the tiles configured to M rows: each row's sums are
- * the same whatever M). From 17, x is first copied tile by tile ([M / 16][G][16 rows][32
- * inputs], the last tile's missing rows zero), so that each x tile loaded is 1 KiB in one
- * piece. silu: W is a gate/up projection (its first N / 2 rows the gate, then the up, N / 2 a
+ * through, and runs the rest of the chunk's x tiles through those. The x tiles are read where x
+ * lies, rows K apart: up to 16 rows (decode) the tiles are configured to M rows (each row's
+ * sums are the same whatever M); from 17, a last tile of fewer than 16 rows is copied first,
+ * with zero rows after them, so that no tile reads past x. (Copying every tile into 1 KiB
+ * pieces, as before, cost 8-12 % at prompt sizes: docs/performance.md, session 26.) silu: W is a gate/up projection (its first N / 2 rows the gate, then the up, N / 2 a
  * whole number of blocks), and y [M, N / 2] gets silu(x Wg^T) * (x Wu^T): each thread takes a
  * gate block with the up block of the same columns, in place of two neighbours. */
 static void q4_gemm_amx(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t M, int64_t N,
                         int64_t K, int silu)
 {
-    const int64_t G = K / GROUP, tiles = (M + 15) / 16, tile = 16 * GROUP, blocks = N / LANES;
+    const int64_t G = K / GROUP, tiles = (M + 15) / 16, blocks = N / LANES;
     const int64_t chunk = CHUNK_BYTES / (16 * K * 2) > 2 ? CHUNK_BYTES / (16 * K * 2) : 2;
     if (M < 1) /* (a tile of 0 rows is not a configuration the tile unit takes) */
         return;
-    const int direct = M <= 16;
-    /* an x tile's rows: K apart in x, or GROUP in the copy; its groups GROUP or a tile apart */
-    const int64_t x_stride = direct ? 2 * K : 2 * GROUP, x_group = direct ? GROUP : tile;
     /* W tiles unpacked for one gemm_block call only: a ring of AMX_RING groups */
     const int64_t ring = AMX_RING && chunk >= tiles && tiles <= 2 ? AMX_RING - 1 : -1;
-    uint16_t *xt = direct ? NULL : aligned_alloc(64, (size_t)(tiles * G * tile) * 2);
+    const int64_t tail = M > 16 ? M % 16 : 0; /* rows of a last tile to copy */
+    uint16_t *last = tail ? aligned_alloc(64, (size_t)(16 * K) * 2) : NULL;
+    if (tail) {
+        memcpy(last, x + (M - tail) * K, (size_t)(tail * K) * 2);
+        memset(last + tail * K, 0, (size_t)((16 - tail) * K) * 2);
+    }
 #pragma omp parallel
     {
-        if (!direct) {
-#pragma omp for schedule(static)
-            for (int64_t t = 0; t < tiles; t++)
-                for (int64_t g = 0; g < G; g++)
-                    for (int64_t r = 0; r < 16; r++) {
-                        uint16_t *dst = xt + (t * G + g) * tile + r * GROUP;
-                        if (16 * t + r < M)
-                            memcpy(dst, x + (16 * t + r) * K + g * GROUP, GROUP * 2);
-                        else
-                            memset(dst, 0, GROUP * 2);
-                    }
-        }
         struct tile_config cfg = {.palette = 1};
         for (int t = 0; t < 8; t++) {
-            cfg.rows[t] = direct && (t < 2 || t == 4) ? (uint8_t)M : 16; /* x and its sums */
+            cfg.rows[t] = M < 16 && (t < 2 || t == 4) ? (uint8_t)M : 16; /* x and its sums */
             cfg.bytes_per_row[t] = 64;
         }
         _tile_loadconfig(&cfg);
@@ -730,10 +720,10 @@ static void q4_gemm_amx(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_
                     const int ra = M - 16 * t < 16 ? (int)(M - 16 * t) : 16;
                     const int rb = M - 16 * (t + 1) < 16 ? (int)(M - 16 * (t + 1)) : 16;
                     uint16_t *ya = y + 16 * t * Y + (silu ? LANES : 2 * LANES) * pair;
-                    const uint16_t *xa = direct ? x : xt + t * G * tile;
-                    gemm_block(xa, ra, t + 1 < t1 ? xt + (t + 1) * G * tile : NULL, rb,
-                               x_stride, x_group, w0, second, q0, q1, ya, ya + 16 * Y, Y, G,
-                               ring, next, silu, &e);
+                    const uint16_t *xa = tail && t == tiles - 1 ? last : x + 16 * t * K;
+                    const uint16_t *xb = tail && t + 1 == tiles - 1 ? last : x + 16 * (t + 1) * K;
+                    gemm_block(xa, ra, t + 1 < t1 ? xb : NULL, rb, 2 * K, GROUP, w0, second, q0,
+                               q1, ya, ya + 16 * Y, Y, G, ring, next, silu, &e);
                 }
             }
         }
@@ -741,7 +731,7 @@ static void q4_gemm_amx(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_
         free(w0);
         _tile_release();
     }
-    free(xt);
+    free(last);
 }
 #endif
 
