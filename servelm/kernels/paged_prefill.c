@@ -132,6 +132,28 @@ INLINE void transpose16(__m512i r[16])
 #define ATTN_PREFETCH 1
 #endif
 
+
+/* A decode token's whole context, K and V of every head, on its way to L2 (-DCONTEXT_TO_L2=0:
+ * not): the token's attention waits on memory (most of pack_vt's and attend_tile's samples
+ * are on the loads and the chunk prefetches), and asking for all of it at once, into L2,
+ * keeps more of its lines in flight than a chunk ahead into L1 (256 KiB at 340 tokens; the
+ * C layer loop of a 16-token decode step 1.03-1.06x faster: docs/performance.md, session 26). */
+#ifndef CONTEXT_TO_L2
+#define CONTEXT_TO_L2 1
+#endif
+INLINE void context_to_l2(const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *blocks,
+                          int64_t block_size, int64_t ctx, int64_t row_bytes)
+{
+    for (int64_t t = 0; t < ctx; t += 16) { /* a block's 16 slots (block_size % 16 == 0) */
+        const int64_t at = slot_of(blocks, block_size, t) * row_bytes;
+        const int64_t bytes = (ctx - t < 16 ? ctx - t : 16) * row_bytes;
+        for (int64_t b = 0; b < bytes; b += 64) {
+            _mm_prefetch((const char *)k_cache + at + b, _MM_HINT_T1);
+            _mm_prefetch((const char *)v_cache + at + b, _MM_HINT_T1);
+        }
+    }
+}
+
 /* Asks for the lines of chunk c's keys of KV head h in `cache` (K or V); nothing past ctx or
  * wholly before lo (whose blocks may have been given back). */
 INLINE void prefetch_chunk(const uint16_t *cache, const int64_t *blocks, int64_t block_size,
@@ -775,6 +797,8 @@ void paged_prefill_bf16_many(int64_t num, const uint16_t *const *q, const int64_
             uint16_t *vt = (uint16_t *)((char *)buffer + at[i]);
             if (tiles[i + 1] - tiles[i] == 1) { /* one tile a head: V^T, then the tiles */
                 const int64_t chunks = (ctx[i] + KC - 1) / KC;
+                if (CONTEXT_TO_L2)
+                    context_to_l2(k_cache, v_cache, blocks[i], block_size, ctx[i], Hkv * D * 2);
                 for (int64_t c = 0; c < chunks; c++)
                     for (int64_t h = 0; h < Hkv; h++)
                         pack_vt(v_cache, blocks[i], block_size, 0, ctx[i], Hkv, D, h, c,
