@@ -95,7 +95,9 @@ def main() -> None:
                 line += f"  {2 * weights[name] * layers * args.tokens / ms / 1e6:6.0f} GOP/s"
             print(line)
         total = statistics.median(sum(row) for row in per_kernel[1:]) * 1e3
-        print(f"  {'sum':10s} {total:7.2f} of the step's median {statistics.median(times) * 1e3:.2f}")
+        print(
+            f"  {'sum':10s} {total:7.2f} of the step's median {statistics.median(times) * 1e3:.2f}"
+        )
 
 
 if __name__ == "__main__":

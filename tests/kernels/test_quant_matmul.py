@@ -13,6 +13,7 @@ import torch
 
 from servelm.kernels import variants
 from servelm.kernels.build import compiler
+from servelm.kernels.cpu_ops import CpuOps
 from servelm.kernels.paths import (
     ALL_ROWS,
     AMX_MIN_ROWS,
@@ -21,7 +22,6 @@ from servelm.kernels.paths import (
     TORCH_INT4_MAX_ROWS,
     cpu_has_bf16_matmul,
 )
-from servelm.kernels.cpu_ops import CpuOps
 from servelm.kernels.quant_matmul import ACTIVATIONS, QuantMatmul
 from servelm.model.layers.linear import Int4Weight, Linear, LogitsHead, Q8Weight, _on_grid
 from tests.kernels.variants import INTEGERS, TILES, flags, native, params
