@@ -549,9 +549,10 @@ struct epilogue {
     int wide, silu;         /* tiles 1 and 3 hold a second block; silu: see gemm_block */
 };
 
-/* Up to `count` more of e's rows to y: the silu of a gate and an up block's columns rounded
- * to bfloat16 first, as storing the projection's output would, then silu_and_mul's arithmetic
- * (silu_mul16), so that the bits are those of the two kernels one after the other. */
+/* Up to `count` more of e's rows to y, rounded to bfloat16; with silu, a gate and an up
+ * block's columns rounded to bfloat16 first, as storing the projection's output would, then
+ * silu_and_mul's arithmetic (silu_mul16), so that the bits are those of the two kernels one
+ * after the other. */
 INLINE void epilogue_rows(struct epilogue *e, int count)
 {
     for (; count > 0 && e->done < e->todo; count--, e->done++) {
@@ -675,10 +676,12 @@ static void gemm_block(const uint16_t *xa, int ra, const uint16_t *xb, int rb, i
  * through, and runs the rest of the chunk's x tiles through those. The x tiles are read where x
  * lies, rows K apart: up to 16 rows (decode) the tiles are configured to M rows (each row's
  * sums are the same whatever M); from 17, a last tile of fewer than 16 rows is copied first,
- * with zero rows after them, so that no tile reads past x. (Copying every tile into 1 KiB
- * pieces, as before, cost 8-12 % at prompt sizes: docs/performance.md, session 26.) silu: W is a gate/up projection (its first N / 2 rows the gate, then the up, N / 2 a
- * whole number of blocks), and y [M, N / 2] gets silu(x Wg^T) * (x Wu^T): each thread takes a
- * gate block with the up block of the same columns, in place of two neighbours. */
+ * with zero rows after them, so that no tile reads past x. (Copying all of x into 1 KiB tiles
+ * first, as before, made the four matmuls of a layer 1.07-1.18x slower at 100-1,024 rows on
+ * two threads: docs/performance.md, session 26.) silu: W is a gate/up projection (its first
+ * N / 2 rows the gate, then the up, N / 2 a whole number of blocks), and y [M, N / 2] gets
+ * silu(x Wg^T) * (x Wu^T): each thread takes a gate block with the up block of the same
+ * columns, in place of two neighbours. */
 static void q4_gemm_amx(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t M, int64_t N,
                         int64_t K, int silu)
 {
