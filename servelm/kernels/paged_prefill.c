@@ -738,16 +738,18 @@ void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_c
  * rows lie side by side), and a step of such chunks alone has no barrier between packing and
  * attending (docs/performance.md, session 25). Chunk i: its queries q[i] (rows q_stride apart),
  * n[i] of them, the last of a context of ctx[i] tokens in blocks[i]; output to out[i]. Full
- * attention, no soft-capping. The packed V of every chunk lives in a buffer kept between
- * calls. */
+ * attention, no soft-capping. The packed V of every chunk lives in a buffer kept between the
+ * calling thread's calls. */
 void paged_prefill_bf16_many(int64_t num, const uint16_t *const *q, const int64_t *const *blocks,
                              const int64_t *n, const int64_t *ctx, uint16_t *const *out,
                              int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                              int64_t block_size, int64_t Hq, int64_t Hkv, int64_t D, float scale,
                              int64_t out_stride)
 {
-    static uint16_t *buffer;
-    static int64_t buffer_bytes;
+    /* one per calling thread (two engines in one process call this from their own threads);
+     * the OpenMP threads below use the caller's, through `packed` */
+    static _Thread_local uint16_t *buffer;
+    static _Thread_local int64_t buffer_bytes;
     const int64_t G = Hq / Hkv;
     int64_t *at = malloc((size_t)(3 * num + 3) * sizeof(int64_t));
     /* prefix sums of items: packing (of chunks of several tiles a head), and the attending:
@@ -765,6 +767,7 @@ void paged_prefill_bf16_many(int64_t num, const uint16_t *const *q, const int64_
         buffer = aligned_alloc(64, (size_t)((at[num] + 63) / 64 * 64));
         buffer_bytes = at[num];
     }
+    char *const packed = (char *)buffer;
 #ifdef HAVE_AMX
 #pragma omp parallel
     {
@@ -778,7 +781,7 @@ void paged_prefill_bf16_many(int64_t num, const uint16_t *const *q, const int64_
                     i--;
                 const int64_t chunks = (ctx[i] + KC - 1) / KC, hc = item - packs[i];
                 pack_vt(v_cache, blocks[i], block_size, 0, ctx[i], Hkv, D, hc / chunks,
-                        hc % chunks, (uint16_t *)((char *)buffer + at[i]) + hc * D * KC);
+                        hc % chunks, (uint16_t *)(packed + at[i]) + hc * D * KC);
             }
         }
         struct tile_config cfg = {.palette = 1};
@@ -794,7 +797,7 @@ void paged_prefill_bf16_many(int64_t num, const uint16_t *const *q, const int64_
                 i++;
             while (item < tiles[i])
                 i--;
-            uint16_t *vt = (uint16_t *)((char *)buffer + at[i]);
+            uint16_t *vt = (uint16_t *)(packed + at[i]);
             if (tiles[i + 1] - tiles[i] == 1) { /* one tile a head: V^T, then the tiles */
                 const int64_t chunks = (ctx[i] + KC - 1) / KC;
                 if (CONTEXT_TO_L2)
@@ -819,7 +822,7 @@ void paged_prefill_bf16_many(int64_t num, const uint16_t *const *q, const int64_
     for (int64_t i = 0; i < num; i++)
         paged_prefill_bf16_win(q[i], q_stride, k_cache, v_cache, blocks[i], block_size, n[i],
                                ctx[i], Hq, Hkv, D, scale, 0, 0.f, out[i], out_stride,
-                               (uint16_t *)((char *)buffer + at[i]));
+                               (uint16_t *)(packed + at[i]));
 #endif
     free(at);
 }

@@ -4,6 +4,7 @@ float64 reference and torch's SDPA path: each path in its build (tests/kernels/v
 from __future__ import annotations
 
 import ctypes
+import threading
 
 import pytest
 import torch
@@ -81,22 +82,17 @@ def test_slots_past_the_context_are_never_read(variant):
     assert (got.double() - want).abs().max().item() < TOLERANCE
 
 
-@with_the_kernel
-def test_many_chunks_in_one_call_give_each_chunks_own_result_bit_for_bit(variant):
-    # paged_prefill_bf16_many (the C layer loop's call): decode tokens and short chunks (one
-    # tile a head: packed and attended in one item) beside longer chunks (their packing, then
-    # their tiles, shared out), each the bits of the chunk alone.
+def many_chunks(kernel, chunks, seed):
+    """Inputs for paged_prefill_bf16_many (the C layer loop's call) for `chunks` [(new tokens,
+    context)], and a function that runs it into a fresh output and returns that."""
     d, hq, hkv, block = 64, 9, 3, 16
-    kernel = PagedPrefillKernel.load(torch.bfloat16, d, block, flags(variant))
-    g = torch.Generator().manual_seed(3)
+    g = torch.Generator().manual_seed(seed)
     num_blocks = 200
     caches = [torch.randn(num_blocks * block, hkv, d, generator=g).bfloat16() for _ in range(2)]
-    chunks = [(1, 300), (1, 1), (40, 40), (5, 64), (6, 70), (1, 33), (3, 100), (21, 500)]
     total = sum(n for n, _ in chunks)
     qkv = torch.randn(total, hq + 2 * hkv, d, generator=g).bfloat16() * 2
     tables = [torch.tensor(t, dtype=torch.int64)
-              for t in scattered_tables([ctx for _, ctx in chunks], num_blocks, seed=4)]  # fmt: skip
-    out = torch.zeros(total, hq, d, dtype=torch.bfloat16)
+              for t in scattered_tables([ctx for _, ctx in chunks], num_blocks, seed=seed + 1)]  # fmt: skip
     starts = [sum(n for n, _ in chunks[:i]) for i in range(len(chunks))]
     ptrs = ctypes.c_void_p * len(chunks)
     i64s = ctypes.c_int64 * len(chunks)
@@ -104,17 +100,58 @@ def test_many_chunks_in_one_call_give_each_chunks_own_result_bit_for_bit(variant
     fn.argtypes = [ctypes.c_int64, *[ctypes.c_void_p] * 5, ctypes.c_int64, ctypes.c_void_p,
                    ctypes.c_void_p, *[ctypes.c_int64] * 4, ctypes.c_float, ctypes.c_int64]  # fmt: skip
     fn.restype = None
-    for _ in range(2):  # (the second call reuses the packed-V buffer)
-        out.zero_()
+
+    def run() -> torch.Tensor:
+        out = torch.zeros(total, hq, d, dtype=torch.bfloat16)
         fn(len(chunks), ptrs(*(qkv[s].data_ptr() for s in starts)),
            ptrs(*(t.data_ptr() for t in tables)), i64s(*(n for n, _ in chunks)),
            i64s(*(c for _, c in chunks)), ptrs(*(out[s].data_ptr() for s in starts)),
            qkv.stride(0), caches[0].data_ptr(), caches[1].data_ptr(), block, hq, hkv, d,
            d**-0.5, out.stride(0))  # fmt: skip
+        return out
+
+    return qkv, caches, tables, starts, run
+
+
+@with_the_kernel
+def test_many_chunks_in_one_call_give_each_chunks_own_result_bit_for_bit(variant):
+    # paged_prefill_bf16_many (the C layer loop's call): decode tokens and short chunks (one
+    # tile a head: packed and attended in one item) beside longer chunks (their packing, then
+    # their tiles, shared out), each the bits of the chunk alone.
+    d, hq, block = 64, 9, 16
+    kernel = PagedPrefillKernel.load(torch.bfloat16, d, block, flags(variant))
+    chunks = [(1, 300), (1, 1), (40, 40), (5, 64), (6, 70), (1, 33), (3, 100), (21, 500)]
+    qkv, caches, tables, starts, run = many_chunks(kernel, chunks, seed=3)
+    for _ in range(2):  # (the second call reuses the packed-V buffer)
+        out = run()
         for (n, ctx), s, table in zip(chunks, starts, tables, strict=True):
             alone = torch.empty(n, hq, d, dtype=torch.bfloat16)
             kernel(qkv[s : s + n, :hq], *caches, table, block, ctx, d**-0.5, alone)
             assert torch.equal(out[s : s + n], alone), (n, ctx)
+
+
+@with_the_kernel
+def test_many_chunks_called_from_two_threads_at_once_keep_their_own_buffers(variant):
+    # Two engines in one process run their steps from their own threads: each call packs V
+    # into a buffer of its calling thread, grown as its contexts grow, so neither frees or
+    # overwrites what the other's call is reading.
+    kernel = PagedPrefillKernel.load(torch.bfloat16, 64, 16, flags(variant))
+    jobs = [many_chunks(kernel, [(1, 40 + 60 * i), (30, 200 + 40 * i)], seed=10 + i)
+            for i in range(2)]  # fmt: skip
+    alone = [job[-1]() for job in jobs]
+    failures = []
+
+    def worker(i: int) -> None:
+        for _ in range(60):
+            if not torch.equal(jobs[i][-1](), alone[i]):
+                failures.append(i)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures
 
 
 @with_the_kernel
