@@ -589,8 +589,9 @@ INLINE void epilogue_rows(struct epilogue *e, int count)
 #endif
 
 /* The block whose quants start at q: its group h's cache lines on their way to L1. Past the
- * block's G groups, the same groups of the block two on: the thread's next pair (blocks are
- * walked in pairs, q0 then q1, and threads take consecutive pairs). */
+ * block's G groups, the same groups of the block `next` bytes on: the same block of the
+ * thread's next pair (threads take consecutive pairs: two neighbouring blocks, or with silu a
+ * gate block and its up block, so the next pair's starts one or two blocks on). */
 INLINE void prefetch_group(const uint8_t *q, int64_t h, int64_t G, int64_t next)
 {
     const char *p = (const char *)(h < G ? q + h * Q4_BYTES : q + next + (h - G) * Q4_BYTES);
@@ -618,14 +619,15 @@ INLINE void dequant_groups(const uint8_t *q0, const uint8_t *q1, uint16_t *w0, u
  * (and q1), the blocks' quants, the W tiles are unpacked first, a group ahead of the tile
  * unit, so that the unpacking overlaps its work and a tile is not loaded while the stores that
  * wrote it are still on their way; ring: W tile g is at w + PAIR_ROWS * 32 * (g & ring) (-1:
- * every group its own). x_stride: bytes between an x tile's rows; ra, rb: rows of ya, yb to
- * write, N apart, through e (which first writes the previous call's rows). silu: the blocks
- * are a gate and an up block of the same columns, and ya, yb get silu(gate) * up (16 columns)
- * instead of the two blocks' outputs. */
+ * every group its own). x_stride: bytes between an x tile's rows (each row a group's 32
+ * inputs, the next group's GROUP elements on); ra, rb: rows of ya, yb to write, N apart,
+ * through e (which first writes the previous call's rows). silu: the blocks are a gate and an
+ * up block of the same columns, and ya, yb get silu(gate) * up (16 columns) instead of the two
+ * blocks' outputs. */
 static void gemm_block(const uint16_t *xa, int ra, const uint16_t *xb, int rb, int64_t x_stride,
-                       int64_t x_group, uint16_t *w0, uint16_t *w1, const uint8_t *q0,
-                       const uint8_t *q1, uint16_t *ya, uint16_t *yb, int64_t N, int64_t G,
-                       int64_t ring, int64_t next, int silu, struct epilogue *e)
+                       uint16_t *w0, uint16_t *w1, const uint8_t *q0, const uint8_t *q1,
+                       uint16_t *ya, uint16_t *yb, int64_t N, int64_t G, int64_t ring,
+                       int64_t next, int silu, struct epilogue *e)
 {
     _tile_zero(0);
     _tile_zero(1);
@@ -637,13 +639,13 @@ static void gemm_block(const uint16_t *xa, int ra, const uint16_t *xb, int rb, i
         if (q0 && g + 1 < G)
             dequant_groups(q0, q1, w0, w1, g + 1, G, ring, next);
         for (int line = 0; line < ra; line++) { /* the next group's x tiles, on their way to L1 */
-            _mm_prefetch((const char *)(xa + x_group * (g + 1)) + x_stride * line, _MM_HINT_T0);
+            _mm_prefetch((const char *)(xa + GROUP * (g + 1)) + x_stride * line, _MM_HINT_T0);
             if (xb && line < rb)
-                _mm_prefetch((const char *)(xb + x_group * (g + 1)) + x_stride * line,
+                _mm_prefetch((const char *)(xb + GROUP * (g + 1)) + x_stride * line,
                              _MM_HINT_T0);
         }
         const uint16_t *wt0 = w0 + PAIR_ROWS * 32 * (g & ring);
-        _tile_loadd(4, xa + x_group * g, x_stride);
+        _tile_loadd(4, xa + GROUP * g, x_stride);
         _tile_loadd(6, wt0, 64);
         _tile_dpbf16ps(0, 4, 6);
         if (w1) {
@@ -651,7 +653,7 @@ static void gemm_block(const uint16_t *xa, int ra, const uint16_t *xb, int rb, i
             _tile_dpbf16ps(1, 4, 7);
         }
         if (xb) {
-            _tile_loadd(5, xb + x_group * g, x_stride);
+            _tile_loadd(5, xb + GROUP * g, x_stride);
             _tile_dpbf16ps(2, 5, 6);
             if (w1)
                 _tile_dpbf16ps(3, 5, 7);
@@ -725,8 +727,8 @@ static void q4_gemm_amx(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_
                     uint16_t *ya = y + 16 * t * Y + (silu ? LANES : 2 * LANES) * pair;
                     const uint16_t *xa = tail && t == tiles - 1 ? last : x + 16 * t * K;
                     const uint16_t *xb = tail && t + 1 == tiles - 1 ? last : x + 16 * (t + 1) * K;
-                    gemm_block(xa, ra, t + 1 < t1 ? xb : NULL, rb, 2 * K, GROUP, w0, second, q0,
-                               q1, ya, ya + 16 * Y, Y, G, ring, next, silu, &e);
+                    gemm_block(xa, ra, t + 1 < t1 ? xb : NULL, rb, 2 * K, w0, second, q0, q1,
+                               ya, ya + 16 * Y, Y, G, ring, next, silu, &e);
                 }
             }
         }
@@ -1308,6 +1310,13 @@ int64_t q4_tile_min_rows(void)
 #endif
 }
 
+/* Whether q4 takes the tiles for B rows of x: q4_matmul_bf16 and q4_silu_matmul_bf16 alike. */
+static int on_tiles(int64_t B)
+{
+    const int64_t from = q4_tile_min_rows();
+    return from && B >= from;
+}
+
 #ifndef Q4_X_BITS
 #define Q4_X_BITS 16 /* how q4 takes x until told (benchmarks build it with 8) */
 #endif
@@ -1330,7 +1339,7 @@ void q4_matmul_bf16(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t B,
                     int64_t K)
 {
 #ifdef HAVE_AMX
-    if (B >= (invariant ? 1 : amx_min_b) && amx_granted()) {
+    if (on_tiles(B)) {
         q4_gemm_amx(x, w, y, B, N, K, 0);
         return;
     }
@@ -1361,7 +1370,7 @@ int64_t q4_silu_matmul_bf16(const uint16_t *x, const uint8_t *w, uint16_t *act, 
                             int64_t I, int64_t K)
 {
 #ifdef HAVE_AMX
-    if (B >= (invariant ? 1 : amx_min_b) && I % LANES == 0 && amx_granted()) {
+    if (on_tiles(B) && I % LANES == 0) {
         q4_gemm_amx(x, w, act, B, 2 * I, K, 1);
         return 1;
     }
