@@ -163,6 +163,16 @@ def side(stack, flags: tuple[str, ...], timers: bool, kernels: Path | None = Non
     return fn, reader, ctypes.cast(prefill.paged_prefill_bf16_many, ctypes.c_void_p).value
 
 
+def layer_weights(spec) -> dict[str, int]:
+    """The weights of one layer's projections, by the C layer loop's timing slot."""
+    return {
+        "qkv": (spec.q_size + 2 * spec.kv_size) * spec.hidden_size,
+        "o": spec.hidden_size * spec.q_size,
+        "gate_up": 2 * spec.intermediate_size * spec.hidden_size,
+        "down": spec.hidden_size * spec.intermediate_size,
+    }
+
+
 def report(rows: list[dict], stack) -> dict[str, float]:
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     mean = {k: statistics.fmean(r[k] for r in rows) for k in rows[0]}
@@ -174,15 +184,8 @@ def report(rows: list[dict], stack) -> dict[str, float]:
     if "  qkv" in rows[0]:
         inside = sum(mean[f"  {n}"] for n in SLOTS)
         print(f"  {'C call - sum of timed kernels (mean)':55s} {mean['C call'] - inside:8.2f}")
-        spec = stack.model.spec
-        per_layer = {
-            "qkv": (spec.q_size + 2 * spec.kv_size) * spec.hidden_size,
-            "o": spec.hidden_size * spec.q_size,
-            "gate_up": 2 * spec.intermediate_size * spec.hidden_size,
-            "down": spec.hidden_size * spec.intermediate_size,
-        }
         print("  in-step weight read rate (GB/s, median time):")
-        for name, weights in per_layer.items():
+        for name, weights in layer_weights(stack.model.spec).items():
             nbytes = weights * Q4_BYTES_PER_WEIGHT * len(stack.layers)
             print(f"    {name:8s} {nbytes / 1e6:6.1f} MB  {nbytes / med['  ' + name] / 1e6:6.1f}")
     return med

@@ -7,11 +7,10 @@
  *
  * (-march=native: the instructions this CPU lacks are left out, by the feature macros.) */
 #include <immintrin.h>
-#include <stdint.h>
 #include <stdio.h>
-#include <sys/syscall.h>
 #include <time.h>
-#include <unistd.h>
+
+#include "../servelm/kernels/common.h" /* (the tile registers: struct tile_config, amx_granted) */
 
 #define ITERS 20000000L
 
@@ -64,15 +63,10 @@ static void maddwd(void) { __m256i w = _mm256_set1_epi16(3), x = w; CHAINS(__m25
 static void fma16(void) { __m512 w = _mm512_set1_ps(1.f), x = _mm512_set1_ps(1e-9f); CHAINS(__m512, x, FMA16) }
 #endif
 
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#ifdef HAVE_AMX
 /* The tile unit: tdpbf16ps (16 x 16 x 32 bfloat16 multiply-adds) into 4 accumulator tiles
  * from operand tiles already loaded (amx) and, as the q4 kernel runs it, from two x and two W
  * tiles loaded from L1 each time (amx + loads). Returns tdpbf16ps a ns. */
-struct tile_config {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t bytes_per_row[16];
-    uint8_t rows[16];
-};
 static double amx_rate(int loads)
 {
     static __attribute__((aligned(64))) uint16_t buf[4][16 * 32];
@@ -134,9 +128,8 @@ int main(void)
         printf("%-32s %.2f /ns a core: %6.0f GOP/s a core, %6.0f on 2 cores\n", kinds[k].name, r,
                2 * r * kinds[k].macs, 4 * r * kinds[k].macs);
     }
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-    const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-    if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0)
+#ifdef HAVE_AMX
+    if (amx_granted())
         for (int loads = 0; loads < 2; loads++) {
             const double r = amx_rate(loads); /* 16 x 16 x 32 multiply-adds each */
             printf("%-32s %.3f /ns a core: %6.0f GOP/s a core, %6.0f on 2 cores\n",

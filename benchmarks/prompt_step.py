@@ -1,6 +1,6 @@
 """Time whole prompt steps of the default model in-process, and what its matmuls reach.
 
-    SERVELM_KERNEL_VARIANT=avx512-nobf16 .venv/bin/python benchmarks/prompt_step.py --tokens 256
+    SERVELM_KERNEL_VARIANT=avx512-nobf16 .venv/bin/python -m benchmarks.prompt_step --tokens 256
 
 Runs `--repeat` prompts of `--tokens` tokens, one at a time with one token generated (the
 prompt step; prefix caching off, so every prompt is computed whole), and prints the fastest
@@ -12,7 +12,7 @@ waiting at a barrier sleep rather than spin).
 Where the time goes inside the step's one C call, `perf` (software clock, user space, no
 root needed) shows by function:
 
-    perf record -e cpu-clock -o /tmp/p.data -- .venv/bin/python benchmarks/prompt_step.py
+    perf record -e cpu-clock -o /tmp/p.data -- .venv/bin/python -m benchmarks.prompt_step
     perf report -i /tmp/p.data --sort dso,sym | head -40
 
 `--timers` builds the C layer loop with -DSTACK_TIMING (as `benchmarks/decode_step.py` does)
@@ -29,6 +29,8 @@ import time
 
 import torch
 
+from benchmarks.decode_step import SLOTS, layer_weights, side
+from benchmarks.workloads import cpu_kind
 from servelm import LLM, SamplingParams
 
 
@@ -43,8 +45,6 @@ def main() -> None:
     runner = llm.engine.executor
     reader, kernels, per_kernel = None, None, []
     if args.timers:
-        from benchmarks.decode_step import SLOTS, side
-
         stack = runner.decode_stack
         if stack is None:
             raise SystemExit("this engine runs no C layer loop (decode_stack)")
@@ -73,6 +73,7 @@ def main() -> None:
         if isinstance(m, Linear) and getattr(m, "int4", None) is not None
     )
     rate = 2 * int4 * args.tokens / min(times) / 1e9
+    print(f"{cpu_kind()}, {threads} threads")
     print(f"{args.tokens}-token prompt step ({runner.int4_layers} int4 projections): "
           f"fastest {min(times) * 1e3:.1f} ms, median {statistics.median(times) * 1e3:.1f} ms "
           f"of {args.repeat}; int4 matmuls over the whole fastest step: {rate:.0f} GOP/s; "
@@ -80,12 +81,7 @@ def main() -> None:
           f"{statistics.median(cpu) * 1e3:.1f} ms")  # fmt: skip
     if per_kernel:
         spec = runner.model.spec
-        weights = {  # a layer's, by projection
-            "qkv": (spec.q_size + 2 * spec.kv_size) * spec.hidden_size,
-            "o": spec.hidden_size * spec.q_size,
-            "gate_up": 2 * spec.intermediate_size * spec.hidden_size,
-            "down": spec.hidden_size * spec.intermediate_size,
-        }
+        weights = layer_weights(spec)
         layers = spec.num_layers
         print(f"kernel by kernel, ms (median of {args.repeat}), {threads} threads:")
         for i, name in enumerate(SLOTS):
