@@ -213,7 +213,7 @@ void decode_stack_bf16(const struct kernels *k, const struct shape *s, const str
          * stores it itself */
         /* their cache lines asked for first, all at once (-DKV_PREFETCH=0: not): one copy
          * after another, each waiting for its lines, took 0.14-0.29 ms of a 16-token decode
-         * step on one thread, 0.03-0.14 so (docs/performance.md, session 25) */
+         * step on one thread of the AMX Xeon, 0.03-0.14 so (docs/performance.md, session 25) */
         for (int64_t i = 0; i < st->num_parts; i++)
             if (KV_PREFETCH && st->parts[i].prefill)
                 for (int64_t r = 0; r < st->parts[i].n; r++) {

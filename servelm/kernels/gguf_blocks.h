@@ -134,8 +134,8 @@ INLINE int unpack_block(int type, const uint8_t *blk, float *w, float *mins)
 /* The 16 integers (Q6_K's int8 scales, or Q4_K's m0-7 then sc0-7: llama.cpp's
  * get_scale_min_k4 on the 32-bit words u0, u1, u2 at blk + 4) made in a register. Made as
  * bytes on the stack, they were stored 8 at a time and loaded 16 at a time, a load the CPU
- * cannot forward from the stores: a third of a Q4_K decode matmul's time (docs/performance.md,
- * session 25). */
+ * cannot forward from the stores: a third of a Q4_K decode matmul's time on the AMX Xeon
+ * (docs/performance.md, session 25). */
 INLINE __m128i kq_ints(const int type, const uint8_t *blk)
 {
     if (type == GGUF_Q6_K)
@@ -167,7 +167,8 @@ INLINE void kq_prep(const int type, const uint8_t *blk, float *p)
     _mm512_storeu_ps(p, _mm512_mul_ps(_mm512_cvtepi32_ps(i), f));
     /* p kept in memory: each chunk's FMA then broadcasts its number from there (on a load
      * port), where from a register each broadcast is a shuffle on the port the unpacking
-     * already fills (a fifth of the kernel's time; docs/performance.md, session 25) */
+     * already fills (a fifth of the kernel's time on the AMX Xeon; docs/performance.md,
+     * session 25) */
     __asm__("" : "+m"(*(float(*)[16])p));
 #else
     for (int h = 0; h < 2; h++) {

@@ -127,17 +127,17 @@ INLINE void transpose16(__m512i r[16])
  * memory, a row of one head (128 bytes in the default model) per slot, through tile loads and
  * pack_vt's loads that each wait for their lines; asking for the next chunk's lines while this
  * one is computed took a 16-token decode step's attention from 24-26 to 20-21 ms on one thread
- * (2 chunks ahead: no better; docs/performance.md, session 25). */
+ * of the AMX Xeon (2 chunks ahead: no better; docs/performance.md, session 25). */
 #ifndef ATTN_PREFETCH
 #define ATTN_PREFETCH 1
 #endif
-
 
 /* A decode token's whole context, K and V of every head, on its way to L2 (-DCONTEXT_TO_L2=0:
  * not): the token's attention waits on memory (most of pack_vt's and attend_tile's samples
  * are on the loads and the chunk prefetches), and asking for all of it at once, into L2,
  * keeps more of its lines in flight than a chunk ahead into L1 (256 KiB at 340 tokens; the
- * C layer loop of a 16-token decode step 1.03-1.06x faster: docs/performance.md, session 26). */
+ * C layer loop of a 16-token decode step 1.01-1.09x faster on the AMX Xeon, two runs of
+ * alternating rounds: docs/performance.md, session 26). */
 #ifndef CONTEXT_TO_L2
 #define CONTEXT_TO_L2 1
 #endif

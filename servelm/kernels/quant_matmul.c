@@ -510,7 +510,7 @@ INLINE void dequant_pair_row(uint16_t *dst, __m512 q_lo, __m512 q_hi, __m512 sca
  * tile's order of (column, parity). A nibble becomes a float32 by vpermps from the table 0..15,
  * which reads the low 4 bits of each index: the low nibble without masking it off, and on port
  * 5, where vcvtdq2ps would take port 0 from the tile unit (1.5x the groups a second at one row of
- * x with hot caches; docs/performance.md, session 25). */
+ * x with hot caches on the AMX Xeon; docs/performance.md, session 25). */
 INLINE void dequant_group(const uint8_t *wg, uint16_t *dst)
 {
     const __m512 values = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
@@ -680,7 +680,7 @@ static void gemm_block(const uint16_t *xa, int ra, const uint16_t *xb, int rb, i
  * sums are the same whatever M); from 17, a last tile of fewer than 16 rows is copied first,
  * with zero rows after them, so that no tile reads past x. (Copying all of x into 1 KiB tiles
  * first, as before, made the four matmuls of a layer 1.07-1.18x slower at 100-1,024 rows on
- * two threads: docs/performance.md, session 26.) silu: W is a gate/up projection (its first
+ * two threads of the AMX Xeon: docs/performance.md, session 26.) silu: W is a gate/up projection (its first
  * N / 2 rows the gate, then the up, N / 2 a whole number of blocks), and y [M, N / 2] gets
  * silu(x Wg^T) * (x Wu^T): each thread takes a gate block with the up block of the same
  * columns, in place of two neighbours. */
