@@ -58,6 +58,11 @@ static void dpbusd(void) { __m512i w = _mm512_set1_epi16(3), x = w; CHAINS(__m51
 #define MADDWD(a) _mm256_add_epi32(_mm256_madd_epi16(a, x), w)
 static void maddwd(void) { __m256i w = _mm256_set1_epi16(3), x = w; CHAINS(__m256i, w, MADDWD) }
 #endif
+#if defined(__AVX512BF16__)
+/* vdpbf16ps: the q4 vector path's instruction where AVX-512 has BF16 but no AMX (Zen 4 and 5) */
+#define DPBF16(a) _mm512_dpbf16_ps(a, (__m512bh)w, (__m512bh)x)
+static void dpbf16(void) { __m512i w = _mm512_set1_epi16(0x3f80), x = w; __m512 z = _mm512_setzero_ps(); CHAINS(__m512, z, DPBF16) }
+#endif
 #if defined(__AVX512F__)
 #define FMA16(a) _mm512_fmadd_ps(a, w, x)
 static void fma16(void) { __m512 w = _mm512_set1_ps(1.f), x = _mm512_set1_ps(1e-9f); CHAINS(__m512, x, FMA16) }
@@ -115,6 +120,9 @@ int main(void)
 #if defined(__AVX512VNNI__)
         {"vpdpwssd zmm (int16 pairs)", dpwssd, 32},
         {"vpdpbusd zmm (u8 x s8 quads)", dpbusd, 64},
+#endif
+#if defined(__AVX512BF16__)
+        {"vdpbf16ps zmm (bfloat16 pairs)", dpbf16, 32},
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
         {"vpmaddwd + vpaddd ymm (int16)", maddwd, 16},

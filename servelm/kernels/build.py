@@ -144,8 +144,8 @@ def build_all() -> list[Path]:
         logger.info("C kernels: %s=%s", variants.ENV, os.environ[variants.ENV])
     jobs = [(source, flags) for source in SOURCES]
     fallback = variants.prefill_fallback()
-    if fallback is not None:  # this CPU's prefill attention comes from another build
-        jobs.append((SOURCES_BY_STEM["paged_prefill"], (*flags, *fallback)))
+    if fallback is not None:  # this CPU's prefill attention comes from another build, alone
+        jobs = [(s, (*f, *fallback) if s.stem == "paged_prefill" else f) for s, f in jobs]
     with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
         built = pool.map(lambda job: build(*job), jobs)
         return [path for path in built if path is not None]

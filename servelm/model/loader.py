@@ -34,12 +34,9 @@ from servelm.model.layers.linear import (
     quantize_linears_int4,
 )
 from servelm.model.parallel import TPGroup, TPSlicer, apply_tp, rank_spec
+from servelm.store.paths import GGUF_BLOCKS_FILE
 
 logger = logging.getLogger(__name__)
-
-# The file of a GGUF import that holds its quantized projections' own blocks (store/gguf_import
-# writes it, under the same name there: BLOCKS_FILE).
-GGUF_BLOCKS_FILE = "model.gguf-blocks"
 
 
 class WeightLoadError(RuntimeError):

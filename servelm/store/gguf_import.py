@@ -37,6 +37,7 @@ from safetensors.numpy import save_file
 
 from servelm.store.gguf_tokenizer import build_tokenizer, tokenizer_config
 from servelm.store.manifest import is_complete, sha256_file, write_manifest
+from servelm.store.paths import GGUF_BLOCKS_FILE
 
 Q = GGMLQuantizationType
 # The tensor types read: what llama.cpp's F16/BF16/Q8_0/Q4_*/Q5_*/Q*_K_M files are made of.
@@ -46,7 +47,7 @@ TENSOR_TYPES = frozenset(
 # The quantized types whose blocks servelm's C kernel multiplies by as they are (the loader
 # checks them against the dequantized weights and serves the projections from them).
 KEPT_TYPES = frozenset({Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})
-BLOCKS_FILE = "model.gguf-blocks"
+BLOCKS_FILE = GGUF_BLOCKS_FILE
 
 
 @dataclass(frozen=True)

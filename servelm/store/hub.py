@@ -34,11 +34,14 @@ from servelm.store.manifest import (
     sha256_file,
     write_snapshot_manifest,
 )
+from servelm.store.paths import GGUF_BLOCKS_FILE
 
 log = logging.getLogger(__name__)
 
-# The files serving reads: config, tokenizer, chat template, weights (+ their index).
-HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*"]
+# The files serving reads: config, tokenizer, chat template, weights (+ their index), and the
+# GGUF blocks a folder made by `servelm fetch FILE.gguf` keeps (the loader serves its
+# projections from them), so that such a folder pushed to a hub comes back whole.
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", GGUF_BLOCKS_FILE]
 # A model folder is read at its top level only: nested copies (onnx/, original/) are left out.
 HUB_IGNORE = ["*/*"]
 COMMIT_RE = re.compile(r"[0-9a-f]{40}")

@@ -14,6 +14,10 @@ import platformdirs
 STORE_ENV = "SERVELM_MODEL_STORE"
 # in a store model's folder: the C kernel's packed weights, kept between starts (model/packed_cache)
 PACKED_FOLDER = ".packed"
+# in a folder imported from a GGUF file: the file's own blocks of the quantized projections that
+# the C kernel reads (store/gguf_import writes it, model/loader serves from it, a hub fetch
+# takes it)
+GGUF_BLOCKS_FILE = "model.gguf-blocks"
 
 
 def default_store_dir() -> Path:

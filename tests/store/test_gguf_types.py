@@ -24,7 +24,6 @@ from safetensors import safe_open
 from safetensors.numpy import load_file
 
 from servelm.model.layers.linear import GGUFHead, Linear
-from servelm.model.loader import GGUF_BLOCKS_FILE
 from servelm.store.gguf_import import BLOCKS_FILE, import_gguf
 from tests.gguf_kquants import Q
 from tests.golden import TOP
@@ -92,10 +91,6 @@ def check_greedy(completion, theirs, their_logprobs, what) -> None:
             gap = (lp[b] - lp[a]).item()
             assert gap <= NEAR_TIE, f"{what}: step {step} took {a}, {gap:.3f} below {b}"
             return
-
-
-def test_blocks_file_name_is_the_loaders():
-    assert BLOCKS_FILE == GGUF_BLOCKS_FILE
 
 
 @pytest.mark.parametrize("kind", list(SERVED))
