@@ -36,6 +36,7 @@ import torch
 from benchmarks.workloads import cpu_kind
 from servelm import LLM, SamplingParams
 from servelm.engine.requests import child_requests
+from servelm.kernels import variants
 from servelm.kernels.build import load_library
 from servelm.kernels.paged_prefill import SOURCE as PREFILL_SOURCE
 from servelm.worker.decode_stack import SOURCE
@@ -159,7 +160,8 @@ def side(stack, flags: tuple[str, ...], timers: bool, kernels: Path | None = Non
     if timers:
         reader = lib.decode_stack_timings
         reader.argtypes = [ctypes.c_void_p]
-    prefill = load_library(prefill_source, flags)
+    # (an AVX-512 CPU without AMX attends with the avx2 build's, as the engine does)
+    prefill = load_library(prefill_source, (*flags, *(variants.prefill_fallback() or ())))
     return fn, reader, ctypes.cast(prefill.paged_prefill_bf16_many, ctypes.c_void_p).value
 
 
