@@ -1,4 +1,5 @@
-/* Prefill attention over the paged KV cache on AMX tiles (or, further down, in AVX2 vectors):
+/* Prefill attention over the paged KV cache on AMX tiles (or in their layout with AVX-512 BF16
+ * vectors, or, further down, in AVX2 vectors):
  * the n newest tokens of one sequence attend, causally, to all ctx tokens of its context (the n
  * among them), reading K in place.
  *
@@ -56,7 +57,40 @@ INLINE int64_t first_key(int64_t pos, int64_t window)
  * then gets e^(-huge) = 0-ish factors, never inf - inf. */
 #define M_FLOOR -1e30f
 
+/* The tile layout below (S^T and P^T with lanes = queries, V^T packed in pairs of keys) serves
+ * two builds: with AMX the products run on the tile unit; with AVX-512 BF16 but no AMX (AMD Zen
+ * 4 and 5, Cooper Lake) the same products run as vdpbf16ps in 512-bit vectors (VECTOR_TILES),
+ * which sum the same bfloat16 pairs into float32 lanes. Everything else, the softmax, the
+ * masks, the packing and how the work is shared out, is one code. */
+#if defined(HAVE_AMX)
+#define TILED_PREFILL 1
+#elif defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define TILED_PREFILL 1
+#define VECTOR_TILES 1
+#endif
+
+#ifdef TILED_PREFILL
+
+/* The tile registers configured for the calling thread (16 rows of 64 bytes each), and given
+ * back, around a parallel region's tiles; nothing where vectors do the products. */
+INLINE void tiles_on(void)
+{
 #ifdef HAVE_AMX
+    struct tile_config cfg = {.palette = 1};
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.bytes_per_row[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+#endif
+}
+
+INLINE void tiles_off(void)
+{
+#ifdef HAVE_AMX
+    _tile_release();
+#endif
+}
 
 /* 2^y for 16 lanes of y <= 0: 2^round(y) from vscalefps times 2^f, |f| <= 1/2, from its Taylor
  * series to f^5 (relative error below 3e-6, far inside P's bfloat16 rounding). Below -126
@@ -203,6 +237,7 @@ static void pack_vt(const uint16_t *v_cache, const int64_t *blocks, int64_t bloc
     }
 }
 
+#ifdef HAVE_AMX
 /* S^T [32 keys, 16 queries] of one chunk into s: k[half] the first of its 16 keys' rows in
  * the cache (NULL: past the context, zeros), row_bytes apart; qt Q^T in slabs of 32 dims. */
 static void scores(const uint16_t *const k[2], int64_t row_bytes, int64_t D,
@@ -283,6 +318,54 @@ static void values_d64(const uint16_t *pt, const uint16_t *v, float *ot)
     _tile_stored(3, ot + 48 * QT, 64);
 }
 
+#else /* VECTOR_TILES: the same products, one vdpbf16ps per 16 lanes and pair of terms */
+
+/* A bfloat16 pair (one 32-bit word at p) in every lane */
+INLINE __m512bh pair_at(const uint16_t *p) { return (__m512bh)_mm512_set1_epi32(*(const int32_t *)p); }
+
+/* S^T [32 keys, 16 queries], as the tiles: for each key, its dims in pairs against Q^T's rows
+ * of the same pairs. 16 keys' sums are 16 independent chains, enough to keep both vector
+ * units busy; each Q^T row is loaded once for them. */
+static void scores(const uint16_t *const k[2], int64_t row_bytes, int64_t D,
+                   const uint16_t (*qt)[16 * 32], float *s)
+{
+    for (int half = 0; half < 2; half++) {
+        __m512 acc[16];
+        for (int key = 0; key < 16; key++)
+            acc[key] = _mm512_setzero_ps();
+        const char *rows = (const char *)k[half];
+        for (int64_t w = 0; rows && w < D / 2; w++) { /* dims 2w, 2w + 1 */
+            const __m512bh qw = (__m512bh)_mm512_load_si512(qt[w / 16] + (w % 16) * 32);
+#pragma GCC unroll 16
+            for (int key = 0; key < 16; key++)
+                acc[key] = _mm512_dpbf16_ps(
+                    acc[key], qw, pair_at((const uint16_t *)(rows + key * row_bytes) + 2 * w));
+        }
+        for (int key = 0; key < 16; key++)
+            _mm512_store_ps(s + (half * 16 + key) * QT, acc[key]);
+    }
+}
+
+/* O^T [D, 16 queries] += V^T . P^T, as the tiles: row d of O^T takes V^T's row d, 16 pairs of
+ * keys, against P^T's 16 rows of the same pairs; 16 dims at a time, 16 chains. */
+static void values(const uint16_t *pt, const uint16_t *v, int64_t D, float *ot)
+{
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+        __m512 acc[16];
+        for (int d = 0; d < 16; d++)
+            acc[d] = _mm512_load_ps(ot + (d0 + d) * QT);
+        for (int pair = 0; pair < KC / 2; pair++) {
+            const __m512bh p = (__m512bh)_mm512_load_si512(pt + pair * 32);
+#pragma GCC unroll 16
+            for (int d = 0; d < 16; d++)
+                acc[d] = _mm512_dpbf16_ps(acc[d], p, pair_at(v + (d0 + d) * KC + 2 * pair));
+        }
+        for (int d = 0; d < 16; d++)
+            _mm512_store_ps(ot + (d0 + d) * QT, acc[d]);
+    }
+}
+#endif
+
 /* S^T of chunk c of KV head h into s; a half wholly before key lo (before every query's window:
  * its block may have been given back) is not read. */
 INLINE void chunk_scores(const uint16_t *k_cache, const int64_t *blocks, int64_t block_size,
@@ -295,10 +378,13 @@ INLINE void chunk_scores(const uint16_t *k_cache, const int64_t *blocks, int64_t
         if (t0 < ctx && t0 + 16 > lo)
             k[half] = k_cache + (slot_of(blocks, block_size, t0) * Hkv + h) * D;
     }
-    if (D == 64)
+#ifdef HAVE_AMX
+    if (D == 64) {
         scores_d64(k, Hkv * D * 2, qt[0], s);
-    else
-        scores(k, Hkv * D * 2, D, qt, s);
+        return;
+    }
+#endif
+    scores(k, Hkv * D * 2, D, qt, s);
 }
 
 /* One tile of 16 lanes of KV head h: lane r is pair t0 + r of (query i, head j of the group),
@@ -354,7 +440,7 @@ static void attend_tile(const uint16_t *q, int64_t q_stride, const uint16_t *k_c
         _mm512_store_ps(ot + d * QT, _mm512_setzero_ps());
 
     /* S^T of the next chunk goes to the tile unit before this chunk's softmax, which then
-     * runs while the products and their store complete */
+     * runs while the products and their store complete (vectors merely take that order) */
     chunk_scores(k_cache, blocks, block_size, lo, ctx, Hkv, D, h, first_chunk, qt,
                  s[first_chunk & 1]);
     for (int64_t c = first_chunk; c < chunks; c++) {
@@ -406,10 +492,13 @@ static void attend_tile(const uint16_t *q, int64_t q_stride, const uint16_t *k_c
 
         /* O^T += V^T . P^T */
         const uint16_t *v = vt + (h * ((ctx + KC - 1) / KC) + c) * vt_chunk;
-        if (D == 64)
+#ifdef HAVE_AMX
+        if (D == 64) {
             values_d64(pt, v, ot);
-        else
-            values(pt, v, D, ot);
+            continue;
+        }
+#endif
+        values(pt, v, D, ot);
     }
 
     __attribute__((aligned(64))) float inv_l[QT];
@@ -428,7 +517,7 @@ static void attend_tile(const uint16_t *q, int64_t q_stride, const uint16_t *k_c
 #elif defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #define VECTOR_PREFILL 1
 
-/* Without tiles (an AVX2-only CPU, or an AVX-512 one without AMX, which loads this file's avx2
+/* Without tiles (an AVX2-only CPU, or an AVX-512 one without BF16, which loads this file's avx2
  * build: variants.prefill_fallback), in float32 FMAs. The context's K and V are widened once per
  * call into `scratch`: K^T in chunks of 8 keys (kt [Hkv][keys / 8][D][8], keys rounded up to 8,
  * zeros past ctx) and V as rows (vf [Hkv][keys][D]). Each task is one query head and 8 queries,
@@ -642,11 +731,14 @@ int64_t paged_prefill_scratch_bytes(int64_t ctx, int64_t Hkv, int64_t D)
 }
 
 /* How this build runs the kernel: 1 on AMX tiles (where Linux lets this process use them), 2 in
- * AVX2 vectors (a build without AVX-512), 0 not at all. */
+ * AVX2 vectors (a build without AVX-512), 3 in AVX-512 BF16 vectors (a build with it and no
+ * AMX), 0 not at all. */
 int64_t paged_prefill_available(void)
 {
 #ifdef HAVE_AMX
     return amx_granted();
+#elif defined(VECTOR_TILES)
+    return 3;
 #elif defined(VECTOR_PREFILL)
     return 2;
 #else
@@ -660,7 +752,7 @@ void paged_prefill_bf16_win(const uint16_t *q, int64_t q_stride, const uint16_t 
                             float scale, int64_t window, float softcap, uint16_t *out,
                             int64_t out_stride, uint16_t *scratch)
 {
-#ifdef HAVE_AMX
+#ifdef TILED_PREFILL
     const int64_t chunks = (ctx + KC - 1) / KC, tiles = (n * (Hq / Hkv) + QT - 1) / QT;
     /* chunks before the first query's window are read by no tile */
     const int64_t skip = first_key(ctx - n, window) / KC, packed = chunks - skip;
@@ -672,12 +764,7 @@ void paged_prefill_bf16_win(const uint16_t *q, int64_t q_stride, const uint16_t 
             pack_vt(v_cache, blocks, block_size, first_key(ctx - n, window), ctx, Hkv, D, h, c,
                     scratch + (h * chunks + c) * D * KC);
         }
-        struct tile_config cfg = {.palette = 1};
-        for (int t = 0; t < 8; t++) {
-            cfg.rows[t] = 16;
-            cfg.bytes_per_row[t] = 64;
-        }
-        _tile_loadconfig(&cfg);
+        tiles_on();
         /* the last query tiles see the most keys: hand them out first */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < Hkv * tiles; item++) {
@@ -685,7 +772,7 @@ void paged_prefill_bf16_win(const uint16_t *q, int64_t q_stride, const uint16_t 
             attend_tile(q, q_stride, k_cache, scratch, blocks, block_size, n, ctx, Hq, Hkv, D,
                         h, tile * QT, scale, window, softcap, out, out_stride);
         }
-        _tile_release();
+        tiles_off();
     }
 #elif defined(VECTOR_PREFILL)
     const int64_t keys = keys_padded(ctx), items = (n * (Hq / Hkv) + 7) / 8;
@@ -768,7 +855,7 @@ void paged_prefill_bf16_many(int64_t num, const uint16_t *const *q, const int64_
         buffer_bytes = at[num];
     }
     char *const packed = (char *)buffer;
-#ifdef HAVE_AMX
+#ifdef TILED_PREFILL
 #pragma omp parallel
     {
         int64_t i = 0;
@@ -784,12 +871,7 @@ void paged_prefill_bf16_many(int64_t num, const uint16_t *const *q, const int64_
                         hc % chunks, (uint16_t *)(packed + at[i]) + hc * D * KC);
             }
         }
-        struct tile_config cfg = {.palette = 1};
-        for (int t = 0; t < 8; t++) {
-            cfg.rows[t] = 16;
-            cfg.bytes_per_row[t] = 64;
-        }
-        _tile_loadconfig(&cfg);
+        tiles_on();
         i = 0;
 #pragma omp for schedule(dynamic, 1) nowait
         for (int64_t item = 0; item < tiles[num]; item++) {
@@ -816,7 +898,7 @@ void paged_prefill_bf16_many(int64_t num, const uint16_t *const *q, const int64_
             attend_tile(q[i], q_stride, k_cache, vt, blocks[i], block_size, n[i], ctx[i], Hq,
                         Hkv, D, h, tile * QT, scale, 0, 0.f, out[i], out_stride);
         }
-        _tile_release();
+        tiles_off();
     }
 #else
     for (int64_t i = 0; i < num; i++)

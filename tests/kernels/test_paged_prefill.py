@@ -15,7 +15,7 @@ from servelm.worker.attention import TorchPagedAttention
 from tests.kernels.test_paged_decode import scattered_tables
 from tests.kernels.variants import PREFILL, flags, native, params
 
-# each test runs in the builds that have the kernel (amx and avx2; the others have none)
+# each test runs in the builds that have the kernel (amx, avx512 and avx2; the others have none)
 with_the_kernel = pytest.mark.parametrize("variant", params(PREFILL), indirect=True)
 # the bf16 output's own rounding (~1e-2 at |x| ~ 2) plus, on tiles, P rounded to bf16
 TOLERANCE = 1.6e-2
