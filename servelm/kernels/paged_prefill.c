@@ -206,10 +206,11 @@ INLINE void prefetch_chunk(const uint16_t *cache, const int64_t *blocks, int64_t
 
 /* V^T of chunk c of KV head h: for each slab of 16 dims, 16 rows (dims) of 32 keys. Pairs of
  * keys are interleaved first (each 32-bit word then holds one dim of both), then the 16 x 16
- * words of the slab are transposed: row d holds dim d of the 16 pairs. */
-static void pack_vt(const uint16_t *v_cache, const int64_t *blocks, int64_t block_size,
-                    int64_t lo, int64_t ctx, int64_t Hkv, int64_t D, int64_t h, int64_t c,
-                    uint16_t *dst)
+ * words of the slab are transposed: row d holds dim d of the 16 pairs. `by_pairs` leaves out
+ * the transpose (attend_few's layout): row r holds pair r's 16 dims. */
+static void pack_v(const uint16_t *v_cache, const int64_t *blocks, int64_t block_size,
+                   int64_t lo, int64_t ctx, int64_t Hkv, int64_t D, int64_t h, int64_t c,
+                   uint16_t *dst, int by_pairs)
 {
     if (ATTN_PREFETCH && (c + ATTN_PREFETCH) * KC < ctx)
         prefetch_chunk(v_cache, blocks, block_size, lo, ctx, Hkv, D, h, c + ATTN_PREFETCH);
@@ -231,10 +232,18 @@ static void pack_vt(const uint16_t *v_cache, const int64_t *blocks, int64_t bloc
             const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(va), vb, 1);
             words[r] = _mm512_permutexvar_epi16(pairs, ab);
         }
-        transpose16(words);
+        if (!by_pairs)
+            transpose16(words);
         for (int d = 0; d < 16; d++)
             _mm512_store_si512(dst + j * 16 * KC + d * KC, words[d]);
     }
+}
+
+INLINE void pack_vt(const uint16_t *v_cache, const int64_t *blocks, int64_t block_size,
+                    int64_t lo, int64_t ctx, int64_t Hkv, int64_t D, int64_t h, int64_t c,
+                    uint16_t *dst)
+{
+    pack_v(v_cache, blocks, block_size, lo, ctx, Hkv, D, h, c, dst, 0);
 }
 
 #ifdef HAVE_AMX
@@ -387,6 +396,53 @@ INLINE void chunk_scores(const uint16_t *k_cache, const int64_t *blocks, int64_t
     scores(k, Hkv * D * 2, D, qt, s);
 }
 
+/* The online softmax of chunk c's S^T (sc, lanes = queries), in log2 units (scores times scale
+ * * log2 e): updates each lane's running max m and sum l, writes P^T as pairs of keys in
+ * bfloat16 (pt), and returns the factor alpha that O's rows take first. */
+INLINE __m512 softmax_chunk(float *sc, int64_t c, int64_t first_pos, __m512i pos, __m512i below,
+                            float scale, int64_t window, float softcap, __m512 *m_run,
+                            __m512 *l_run, uint16_t *pt)
+{
+    const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+    /* soft-capped scores come in log2 units already */
+    const __m512 log2_scale = _mm512_set1_ps(softcap > 0.f ? 1.f : scale * 1.44269504f);
+    const __m512i pairs = pair_up();
+    if (softcap > 0.f)
+        for (int k = 0; k < KC; k++)
+            _mm512_store_ps(sc + k * QT,
+                            softcap_log2_512(_mm512_mul_ps(_mm512_load_ps(sc + k * QT),
+                                                           _mm512_set1_ps(scale)),
+                                             softcap));
+    const int masked = c * KC + KC - 1 > first_pos || window > 0;
+    __mmask16 ok[KC];
+    __m512 chunk_max = neg_inf;
+    for (int k = 0; k < KC; k++) {
+        const __m512i key = _mm512_set1_epi32(c * KC + k);
+        ok[k] = masked ? _mm512_cmple_epi32_mask(key, pos) : 0xffff;
+        if (window > 0)
+            ok[k] &= _mm512_cmpgt_epi32_mask(key, below);
+        const __m512 sk = _mm512_load_ps(sc + k * QT);
+        chunk_max = _mm512_mask_max_ps(chunk_max, ok[k], chunk_max, sk);
+    }
+    /* finite: a lane with no key yet keeps M_FLOOR */
+    const __m512 m = _mm512_max_ps(_mm512_max_ps(*m_run, _mm512_mul_ps(chunk_max, log2_scale)),
+                                   _mm512_set1_ps(M_FLOOR));
+    const __m512 alpha = exp2_512(_mm512_sub_ps(*m_run, m));
+    *m_run = m;
+    __m512 sum = _mm512_setzero_ps();
+    for (int k = 0; k < KC; k += 2) {
+        const __m512 s0 = _mm512_load_ps(sc + k * QT), s1 = _mm512_load_ps(sc + (k + 1) * QT);
+        const __m512 p0 = _mm512_maskz_mov_ps(ok[k], exp2_512(_mm512_fmsub_ps(s0, log2_scale, m)));
+        const __m512 p1 =
+            _mm512_maskz_mov_ps(ok[k + 1], exp2_512(_mm512_fmsub_ps(s1, log2_scale, m)));
+        sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+        const __m512i two = (__m512i)_mm512_cvtne2ps_pbh(p1, p0); /* [p0 | p1] as bf16 */
+        _mm512_store_si512(pt + (k / 2) * 32, _mm512_permutexvar_epi16(pairs, two));
+    }
+    *l_run = _mm512_fmadd_ps(*l_run, alpha, sum);
+    return alpha;
+}
+
 /* One tile of 16 lanes of KV head h: lane r is pair t0 + r of (query i, head j of the group),
  * t = i * G + j for the G = Hq / Hkv query heads that share h, so that the heads of a group
  * read each K and V tile once (a decode token's G heads share one tile). Each lane's arithmetic
@@ -431,11 +487,7 @@ static void attend_tile(const uint16_t *q, int64_t q_stride, const uint16_t *k_c
                                                                         _mm512_set1_epi32(w)),
                                                        q_words, 4));
     const __m512i pos = _mm512_loadu_si512(pos_lanes), below = _mm512_loadu_si512(below_lanes);
-    const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
-    /* soft-capped scores come in log2 units already */
-    const __m512 log2_scale = _mm512_set1_ps(softcap > 0.f ? 1.f : scale * 1.44269504f);
-    const __m512i pairs = pair_up();
-    __m512 m = neg_inf, l = _mm512_setzero_ps();
+    __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; d++)
         _mm512_store_ps(ot + d * QT, _mm512_setzero_ps());
 
@@ -450,42 +502,8 @@ static void attend_tile(const uint16_t *q, int64_t q_stride, const uint16_t *k_c
                          s[(c + 1) & 1]);
         if (ATTN_PREFETCH && c + 1 + ATTN_PREFETCH < chunks)
             prefetch_chunk(k_cache, blocks, block_size, lo, ctx, Hkv, D, h, c + 1 + ATTN_PREFETCH);
-        if (softcap > 0.f)
-            for (int k = 0; k < KC; k++)
-                _mm512_store_ps(sc + k * QT,
-                                softcap_log2_512(_mm512_mul_ps(_mm512_load_ps(sc + k * QT),
-                                                               _mm512_set1_ps(scale)),
-                                                 softcap));
-
-        /* online softmax, in log2 units (scores times scale * log2 e); lanes are queries */
-        const int masked = c * KC + KC - 1 > first_pos || window > 0;
-        __mmask16 ok[KC];
-        __m512 chunk_max = neg_inf;
-        for (int k = 0; k < KC; k++) {
-            const __m512i key = _mm512_set1_epi32(c * KC + k);
-            ok[k] = masked ? _mm512_cmple_epi32_mask(key, pos) : 0xffff;
-            if (window > 0)
-                ok[k] &= _mm512_cmpgt_epi32_mask(key, below);
-            const __m512 sk = _mm512_load_ps(sc + k * QT);
-            chunk_max = _mm512_mask_max_ps(chunk_max, ok[k], chunk_max, sk);
-        }
-        /* finite: a lane with no key yet keeps M_FLOOR */
-        const __m512 m_new = _mm512_max_ps(_mm512_max_ps(m, _mm512_mul_ps(chunk_max, log2_scale)),
-                                           _mm512_set1_ps(M_FLOOR));
-        const __m512 alpha = exp2_512(_mm512_sub_ps(m, m_new));
-        m = m_new;
-        __m512 sum = _mm512_setzero_ps();
-        for (int k = 0; k < KC; k += 2) {
-            const __m512 s0 = _mm512_load_ps(sc + k * QT), s1 = _mm512_load_ps(sc + (k + 1) * QT);
-            const __m512 p0 =
-                _mm512_maskz_mov_ps(ok[k], exp2_512(_mm512_fmsub_ps(s0, log2_scale, m)));
-            const __m512 p1 =
-                _mm512_maskz_mov_ps(ok[k + 1], exp2_512(_mm512_fmsub_ps(s1, log2_scale, m)));
-            sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
-            const __m512i two = (__m512i)_mm512_cvtne2ps_pbh(p1, p0); /* [p0 | p1] as bf16 */
-            _mm512_store_si512(pt + (k / 2) * 32, _mm512_permutexvar_epi16(pairs, two));
-        }
-        l = _mm512_fmadd_ps(l, alpha, sum);
+        const __m512 alpha = softmax_chunk(sc, c, first_pos, pos, below, scale, window, softcap,
+                                           &m, &l, pt);
         if (_mm512_cmp_ps_mask(alpha, _mm512_set1_ps(1.f), _CMP_NEQ_UQ)) /* a new max */
             for (int64_t d = 0; d < D; d++)
                 _mm512_store_ps(ot + d * QT, _mm512_mul_ps(_mm512_load_ps(ot + d * QT), alpha));
@@ -513,6 +531,107 @@ static void attend_tile(const uint16_t *q, int64_t q_stride, const uint16_t *k_c
         }
     }
 }
+
+#ifdef VECTOR_TILES
+/* A tile with few real lanes (a decode token: its G query heads), computed as attend_tile
+ * computes it, to the bit, with the products turned around: S with lanes = keys, one
+ * vdpbf16ps per real lane, 16 keys and pair of dims (attend_tile: one per key, for 16 lanes),
+ * then transposed to lanes = queries for the same softmax; O with lanes = dims, one per real
+ * lane, 16 dims and pair of keys. Each lane's products and sums are the same operations in the
+ * same order, only held in other vector lanes (tests/kernels/test_batch_invariance.py holds a
+ * decode token to its prompt's numbers). vp: V packed by pairs (pack_v). No window or
+ * soft-cap: the C layer loop's full attention only. */
+#define FEW_LANES 8 /* real lanes up to which a decode token's tile takes this path */
+static void attend_few(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
+                       const uint16_t *vp, const int64_t *blocks, int64_t block_size, int64_t n,
+                       int64_t ctx, int64_t Hq, int64_t Hkv, int64_t D, int64_t h, int64_t t0,
+                       float scale, uint16_t *out, int64_t out_stride)
+{
+    const int64_t G = Hq / Hkv, rows = n * G - t0 < FEW_LANES ? n * G - t0 : FEW_LANES;
+    const int64_t first_pos = ctx - n + t0 / G, last_pos = ctx - n + (t0 + rows - 1) / G;
+    const int64_t chunks = last_pos / KC + 1, row_bytes = Hkv * D * 2;
+    __attribute__((aligned(64))) float sc[KC * QT];  /* S^T of the chunk */
+    __attribute__((aligned(64))) uint16_t pt[16 * 32]; /* P^T, pairs of keys */
+    __attribute__((aligned(64))) float o[FEW_LANES][256], alpha_of[QT];
+    const int32_t *q_words[FEW_LANES];
+    int32_t pos_lanes[QT], below_lanes[QT];
+    int64_t out_at[FEW_LANES];
+    for (int64_t r = 0; r < QT; r++) { /* padding lanes repeat the last real one */
+        const int64_t t = t0 + (r < rows ? r : rows - 1), i = t / G, head = h * G + t % G;
+        if (r < rows) {
+            q_words[r] = (const int32_t *)(q + i * q_stride + head * D);
+            out_at[r] = i * out_stride + head * D;
+            for (int64_t d = 0; d < D; d += 16)
+                _mm512_store_ps(o[r] + d, _mm512_setzero_ps());
+        }
+        pos_lanes[r] = (int32_t)(ctx - n + i);
+        below_lanes[r] = -1;
+    }
+    const __m512i pos = _mm512_loadu_si512(pos_lanes), below = _mm512_loadu_si512(below_lanes);
+    __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; c++) {
+        if (ATTN_PREFETCH && c + 1 + ATTN_PREFETCH < chunks)
+            prefetch_chunk(k_cache, blocks, block_size, 0, ctx, Hkv, D, h, c + 1 + ATTN_PREFETCH);
+        /* S: acc[half][lane], lanes = the half's 16 keys; both halves' chains side by side */
+        const char *k[2] = {NULL, NULL};
+        for (int half = 0; half < 2; half++) {
+            const int64_t t0k = c * KC + half * 16;
+            if (t0k < ctx)
+                k[half] = (const char *)(k_cache + (slot_of(blocks, block_size, t0k) * Hkv + h) * D);
+        }
+        const int halves = k[1] ? 2 : 1; /* (the first is always read: c * KC < ctx) */
+        __m512 acc[2][FEW_LANES];
+        for (int half = 0; half < 2; half++)
+            for (int r = 0; r < FEW_LANES; r++)
+                acc[half][r] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < D / 32; j++) { /* 16 words (32 dims) of each key at a time */
+            __m512i kw[2][16];
+            for (int half = 0; half < halves; half++) {
+                for (int key = 0; key < 16; key++)
+                    kw[half][key] = _mm512_loadu_si512(k[half] + key * row_bytes + 64 * j);
+                transpose16(kw[half]); /* kw[half][w]: word 16j + w of the 16 keys */
+            }
+            for (int w = 0; w < 16; w++)
+                for (int r = 0; r < rows; r++) {
+                    const __m512bh qw = (__m512bh)_mm512_set1_epi32(q_words[r][16 * j + w]);
+                    for (int half = 0; half < halves; half++)
+                        acc[half][r] = _mm512_dpbf16_ps(acc[half][r], (__m512bh)kw[half][w], qw);
+                }
+        }
+        for (int half = 0; half < 2; half++) { /* to lanes = queries: S^T */
+            __m512i st[16];
+            for (int r = 0; r < 16; r++)
+                st[r] = _mm512_castps_si512(acc[half][r < rows ? r : rows - 1]);
+            transpose16(st);
+            for (int key = 0; key < 16; key++)
+                _mm512_store_si512(sc + (half * 16 + key) * QT, st[key]);
+        }
+        const __m512 alpha = softmax_chunk(sc, c, first_pos, pos, below, scale, 0, 0.f, &m, &l, pt);
+        _mm512_store_ps(alpha_of, alpha);
+        const int rescale = _mm512_cmp_ps_mask(alpha, _mm512_set1_ps(1.f), _CMP_NEQ_UQ) != 0;
+        /* O += P V: lane r's row, 16 dims at a time, pairs of keys in order */
+        const uint16_t *v = vp + (h * ((ctx + KC - 1) / KC) + c) * D * KC;
+        const uint32_t *p_words = (const uint32_t *)pt;
+        for (int r = 0; r < rows; r++)
+            for (int64_t j = 0; j < D / 16; j++) {
+                __m512 sum = _mm512_load_ps(o[r] + 16 * j);
+                if (rescale)
+                    sum = _mm512_mul_ps(sum, _mm512_set1_ps(alpha_of[r]));
+                for (int pair = 0; pair < KC / 2; pair++)
+                    sum = _mm512_dpbf16_ps(
+                        sum, (__m512bh)_mm512_load_si512(v + j * 16 * KC + pair * KC),
+                        (__m512bh)_mm512_set1_epi32((int)p_words[pair * 16 + r]));
+                _mm512_store_ps(o[r] + 16 * j, sum);
+            }
+    }
+    __attribute__((aligned(64))) float inv_l[QT];
+    _mm512_store_ps(inv_l, _mm512_div_ps(_mm512_set1_ps(1.f), l));
+    for (int r = 0; r < rows; r++)
+        for (int64_t d = 0; d < D; d += 16)
+            store_bf16(out + out_at[r] + d,
+                       _mm512_mul_ps(_mm512_load_ps(o[r] + d), _mm512_set1_ps(inv_l[r])));
+}
+#endif
 
 #elif defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #define VECTOR_PREFILL 1
@@ -882,15 +1001,28 @@ void paged_prefill_bf16_many(int64_t num, const uint16_t *const *q, const int64_
             uint16_t *vt = (uint16_t *)(packed + at[i]);
             if (tiles[i + 1] - tiles[i] == 1) { /* one tile a head: V^T, then the tiles */
                 const int64_t chunks = (ctx[i] + KC - 1) / KC;
+#ifdef VECTOR_TILES
+                const int few = n[i] * G <= FEW_LANES;
+#else
+                const int few = 0;
+#endif
                 if (CONTEXT_TO_L2)
                     context_to_l2(k_cache, v_cache, blocks[i], block_size, ctx[i], Hkv * D * 2);
                 for (int64_t c = 0; c < chunks; c++)
                     for (int64_t h = 0; h < Hkv; h++)
-                        pack_vt(v_cache, blocks[i], block_size, 0, ctx[i], Hkv, D, h, c,
-                                vt + (h * chunks + c) * D * KC);
-                for (int64_t h = 0; h < Hkv; h++)
+                        pack_v(v_cache, blocks[i], block_size, 0, ctx[i], Hkv, D, h, c,
+                               vt + (h * chunks + c) * D * KC, few);
+                for (int64_t h = 0; h < Hkv; h++) {
+#ifdef VECTOR_TILES
+                    if (few) {
+                        attend_few(q[i], q_stride, k_cache, vt, blocks[i], block_size, n[i],
+                                   ctx[i], Hq, Hkv, D, h, 0, scale, out[i], out_stride);
+                        continue;
+                    }
+#endif
                     attend_tile(q[i], q_stride, k_cache, vt, blocks[i], block_size, n[i], ctx[i],
                                 Hq, Hkv, D, h, 0, scale, 0, 0.f, out[i], out_stride);
+                }
                 continue;
             }
             const int64_t own = item - tiles[i], count = (tiles[i + 1] - tiles[i]) / Hkv;

@@ -83,10 +83,10 @@ def test_slots_past_the_context_are_never_read(variant):
     assert (got.double() - want).abs().max().item() < TOLERANCE
 
 
-def many_chunks(kernel, chunks, seed):
+def many_chunks(kernel, chunks, seed, d=64, hq=9, hkv=3):
     """Inputs for paged_prefill_bf16_many (the C layer loop's call) for `chunks` [(new tokens,
     context)], and a function that runs it into a fresh output and returns that."""
-    d, hq, hkv, block = 64, 9, 3, 16
+    block = 16
     g = torch.Generator().manual_seed(seed)
     num_blocks = 200
     caches = [torch.randn(num_blocks * block, hkv, d, generator=g).bfloat16() for _ in range(2)]
@@ -115,14 +115,16 @@ def many_chunks(kernel, chunks, seed):
 
 
 @with_the_kernel
-def test_many_chunks_in_one_call_give_each_chunks_own_result_bit_for_bit(variant):
+@pytest.mark.parametrize("d,hq,hkv", [(64, 9, 3), (128, 8, 2), (64, 4, 4), (32, 32, 1)])
+def test_many_chunks_in_one_call_give_each_chunks_own_result_bit_for_bit(variant, d, hq, hkv):
     # paged_prefill_bf16_many (the C layer loop's call): decode tokens and short chunks (one
-    # tile a head: packed and attended in one item) beside longer chunks (their packing, then
-    # their tiles, shared out), each the bits of the chunk alone.
-    d, hq, block = 64, 9, 16
+    # tile a head: packed and attended in one item; with AVX-512 BF16 vectors, up to 8 lanes,
+    # with the products turned) beside longer chunks (their packing, then their tiles, shared
+    # out), each the bits of the chunk alone.
+    block = 16
     kernel = PagedPrefillKernel.load(torch.bfloat16, d, block, flags(variant))
-    chunks = [(1, 300), (1, 1), (40, 40), (5, 64), (6, 70), (1, 33), (3, 100), (21, 500)]
-    qkv, caches, tables, starts, run = many_chunks(kernel, chunks, seed=3)
+    chunks = [(1, 300), (1, 1), (40, 40), (5, 64), (6, 70), (1, 33), (2, 77), (3, 100), (21, 500)]
+    qkv, caches, tables, starts, run = many_chunks(kernel, chunks, 3, d, hq, hkv)
     for _ in range(2):  # (the second call reuses the packed-V buffer)
         out = run()
         for (n, ctx), s, table in zip(chunks, starts, tables, strict=True):
