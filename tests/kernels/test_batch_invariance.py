@@ -22,7 +22,7 @@ from tests.kernels.variants import INTEGERS, PREFILL, TILES, flags, params
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no C compiler on this machine")
 
-BATCHES = [2, 3, 5, 6, 9, 16, 17, 40]
+BATCHES = [2, 3, 5, 6, 9, 16, 17, 40, 300]  # 300: more than one sweep of x (quant_matmul.c)
 
 
 @pytest.fixture(scope="module")
