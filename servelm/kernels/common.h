@@ -130,6 +130,16 @@ INLINE void store_bf16(uint16_t *dst, __m512 v)
 #endif
 }
 
+#if defined(__AVX512BW__)
+/* The permutation (_mm512_permutexvar_epi16) that interleaves two rows of 16 bfloat16, the low
+ * and high half of a vector, into pairs a0 b0 a1 b1 ...: vdpbf16ps's pairs, AMX's too */
+INLINE __m512i pair_up(void)
+{
+    return _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                            6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+}
+#endif
+
 #if defined(__AVX512BF16__)
 /* v rounded to bfloat16 and back, as storing and loading it would */
 INLINE __m512 round_bf16_16(__m512 v)

@@ -121,14 +121,6 @@ INLINE __m512 softcap_log2_512(__m512 x, float cap)
     return _mm512_mul_ps(t, _mm512_set1_ps(cap * 1.44269504f));
 }
 
-/* The permutation that interleaves two rows of 16 bf16 (the low and high half of a vector)
- * into pairs: a0 b0 a1 b1 ... */
-INLINE __m512i pair_up(void)
-{
-    return _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
-                            6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-}
-
 /* 16 rows of 16 32-bit words, transposed in registers: r[j] word i <- r[i] word j. Unpacks
  * transpose the 4 x 4 blocks within each 128-bit lane, then two rounds of lane shuffles move
  * the blocks (16 gathers of one word per row did the same, about half of a decode's time in

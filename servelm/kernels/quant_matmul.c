@@ -309,10 +309,7 @@ INLINE void Q8_block(const uint16_t *x, const float *xf, const uint8_t *w, float
 {
     (void)xf, (void)fixed;
     const int64_t G = K / GROUP;
-    /* words 2i, 2i + 1 <- halves' lane i: lane i of the result pairs input 2k's with 2k + 1's */
-    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
-                                           24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
-                                           16, 0);
+    const __m512i pairs = pair_up(); /* lane i of the result: input 2k's and 2k + 1's */
     __m512 acc[MAX_B];
     for (int b = 0; b < B; b++)
         acc[b] = _mm512_setzero_ps();
