@@ -151,7 +151,7 @@ INLINE void transpose16(__m512i r[16])
 
 /* Software prefetch, chunks of KC keys ahead (0: none). A decode step reads its K and V from
  * memory, a row of one head (128 bytes in the default model) per slot, through tile loads and
- * pack_vt's loads that each wait for their lines; asking for the next chunk's lines while this
+ * pack_v's loads that each wait for their lines; asking for the next chunk's lines while this
  * one is computed took a 16-token decode step's attention from 24-26 to 20-21 ms on one thread
  * of the AMX Xeon (2 chunks ahead: no better; docs/performance.md, session 25). */
 #ifndef ATTN_PREFETCH
@@ -159,7 +159,7 @@ INLINE void transpose16(__m512i r[16])
 #endif
 
 /* A decode token's whole context, K and V of every head, on its way to L2 (-DCONTEXT_TO_L2=0:
- * not): the token's attention waits on memory (most of pack_vt's and attend_tile's samples
+ * not): the token's attention waits on memory (most of pack_v's and attend_tile's samples
  * are on the loads and the chunk prefetches), and asking for all of it at once, into L2,
  * keeps more of its lines in flight than a chunk ahead into L1 (256 KiB at 340 tokens; the
  * C layer loop of a 16-token decode step 1.01-1.09x faster on the AMX Xeon, two runs of
@@ -229,13 +229,6 @@ static void pack_v(const uint16_t *v_cache, const int64_t *blocks, int64_t block
         for (int d = 0; d < 16; d++)
             _mm512_store_si512(dst + j * 16 * KC + d * KC, words[d]);
     }
-}
-
-INLINE void pack_vt(const uint16_t *v_cache, const int64_t *blocks, int64_t block_size,
-                    int64_t lo, int64_t ctx, int64_t Hkv, int64_t D, int64_t h, int64_t c,
-                    uint16_t *dst)
-{
-    pack_v(v_cache, blocks, block_size, lo, ctx, Hkv, D, h, c, dst, 0);
 }
 
 #ifdef HAVE_AMX
@@ -322,7 +315,10 @@ static void values_d64(const uint16_t *pt, const uint16_t *v, float *ot)
 #else /* VECTOR_TILES: the same products, one vdpbf16ps per 16 lanes and pair of terms */
 
 /* A bfloat16 pair (one 32-bit word at p) in every lane */
-INLINE __m512bh pair_at(const uint16_t *p) { return (__m512bh)_mm512_set1_epi32(*(const int32_t *)p); }
+INLINE __m512bh pair_at(const uint16_t *p)
+{
+    return (__m512bh)_mm512_set1_epi32(*(const int32_t *)p);
+}
 
 /* S^T [32 keys, 16 queries], as the tiles: for each key, its dims in pairs against Q^T's rows
  * of the same pairs. 16 keys' sums are 16 independent chains, enough to keep both vector
@@ -569,7 +565,8 @@ static void attend_few(const uint16_t *q, int64_t q_stride, const uint16_t *k_ca
         for (int half = 0; half < 2; half++) {
             const int64_t t0k = c * KC + half * 16;
             if (t0k < ctx)
-                k[half] = (const char *)(k_cache + (slot_of(blocks, block_size, t0k) * Hkv + h) * D);
+                k[half] = (const char *)(k_cache +
+                                         (slot_of(blocks, block_size, t0k) * Hkv + h) * D);
         }
         const int halves = k[1] ? 2 : 1; /* (the first is always read: c * KC < ctx) */
         __m512 acc[2][FEW_LANES];
@@ -872,8 +869,8 @@ void paged_prefill_bf16_win(const uint16_t *q, int64_t q_stride, const uint16_t 
 #pragma omp for schedule(static)
         for (int64_t hc = 0; hc < Hkv * packed; hc++) {
             const int64_t h = hc / packed, c = skip + hc % packed;
-            pack_vt(v_cache, blocks, block_size, first_key(ctx - n, window), ctx, Hkv, D, h, c,
-                    scratch + (h * chunks + c) * D * KC);
+            pack_v(v_cache, blocks, block_size, first_key(ctx - n, window), ctx, Hkv, D, h, c,
+                   scratch + (h * chunks + c) * D * KC, 0);
         }
         tiles_on();
         /* the last query tiles see the most keys: hand them out first */
@@ -978,8 +975,8 @@ void paged_prefill_bf16_many(int64_t num, const uint16_t *const *q, const int64_
                 while (item < packs[i])
                     i--;
                 const int64_t chunks = (ctx[i] + KC - 1) / KC, hc = item - packs[i];
-                pack_vt(v_cache, blocks[i], block_size, 0, ctx[i], Hkv, D, hc / chunks,
-                        hc % chunks, (uint16_t *)(packed + at[i]) + hc * D * KC);
+                pack_v(v_cache, blocks[i], block_size, 0, ctx[i], Hkv, D, hc / chunks,
+                       hc % chunks, (uint16_t *)(packed + at[i]) + hc * D * KC, 0);
             }
         }
         tiles_on();
