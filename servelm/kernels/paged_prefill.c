@@ -526,8 +526,8 @@ static void attend_tile(const uint16_t *q, int64_t q_stride, const uint16_t *k_c
  * vdpbf16ps per real lane, 16 keys and pair of dims (attend_tile: one per key, for 16 lanes),
  * then transposed to lanes = queries for the same softmax; O with lanes = dims, one per real
  * lane, 16 dims and pair of keys. Each lane's products and sums are the same operations in the
- * same order, only held in other vector lanes (tests/kernels/test_batch_invariance.py holds a
- * decode token to its prompt's numbers). vp: V packed by pairs (pack_v). No window or
+ * same order, only held in other vector lanes (test_paged_prefill.py's many-chunks test holds
+ * a decode token to its numbers alone). vp: V packed by pairs (pack_v). No window or
  * soft-cap: the C layer loop's full attention only. */
 #define FEW_LANES 8 /* real lanes up to which a decode token's tile takes this path */
 static void attend_few(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
