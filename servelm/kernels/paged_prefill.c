@@ -542,7 +542,7 @@ static void attend_few(const uint16_t *q, int64_t q_stride, const uint16_t *k_ca
     __attribute__((aligned(64))) uint16_t pt[16 * 32]; /* P^T, pairs of keys */
     __attribute__((aligned(64))) float o[FEW_LANES][256], alpha_of[QT];
     const int32_t *q_words[FEW_LANES];
-    int32_t pos_lanes[QT], below_lanes[QT];
+    int32_t pos_lanes[QT];
     int64_t out_at[FEW_LANES];
     for (int64_t r = 0; r < QT; r++) { /* padding lanes repeat the last real one */
         const int64_t t = t0 + (r < rows ? r : rows - 1), i = t / G, head = h * G + t % G;
@@ -553,9 +553,9 @@ static void attend_few(const uint16_t *q, int64_t q_stride, const uint16_t *k_ca
                 _mm512_store_ps(o[r] + d, _mm512_setzero_ps());
         }
         pos_lanes[r] = (int32_t)(ctx - n + i);
-        below_lanes[r] = -1;
     }
-    const __m512i pos = _mm512_loadu_si512(pos_lanes), below = _mm512_loadu_si512(below_lanes);
+    const __m512i pos = _mm512_loadu_si512(pos_lanes);
+    const __m512i below = _mm512_set1_epi32(-1); /* (no window) */
     __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();
     for (int64_t c = 0; c < chunks; c++) {
         if (ATTN_PREFETCH && c + 1 + ATTN_PREFETCH < chunks)
@@ -595,7 +595,8 @@ static void attend_few(const uint16_t *q, int64_t q_stride, const uint16_t *k_ca
             for (int key = 0; key < 16; key++)
                 _mm512_store_si512(sc + (half * 16 + key) * QT, st[key]);
         }
-        const __m512 alpha = softmax_chunk(sc, c, first_pos, pos, below, scale, 0, 0.f, &m, &l, pt);
+        const __m512 alpha =
+            softmax_chunk(sc, c, first_pos, pos, below, scale, 0, 0.f, &m, &l, pt);
         _mm512_store_ps(alpha_of, alpha);
         const int rescale = _mm512_cmp_ps_mask(alpha, _mm512_set1_ps(1.f), _CMP_NEQ_UQ) != 0;
         /* O += P V: lane r's row, 16 dims at a time, pairs of keys in order */

@@ -517,11 +517,6 @@ int64_t q4_batch_invariant(int64_t on)
     return invariant;
 }
 
-/* x [B, K] in passes of PASS_B rows; f holds f_per_row floats for each row of x; y's rows are
- * N elements of y_size bytes. The blocks are split between the threads, and each block goes
- * through every pass of a sweep (X_SWEEP_BYTES of x) while it is in L1, so that more than
- * PASS_B rows (the logits of a decode step of 16 sequences) read W from memory once, not once
- * a pass. Each row's arithmetic is the same in any pass or sweep. */
 /* Bytes of x whose rows every thread's W blocks take in turn before the next rows: they stay
  * in L2 between blocks. Sweeping all of a 1,024-row prompt's x past each block read it from L3
  * block after block: a layer's four matmuls 1.08-1.10x faster at 1,024 rows, the same at 256
@@ -529,6 +524,12 @@ int64_t q4_batch_invariant(int64_t on)
 #ifndef X_SWEEP_BYTES
 #define X_SWEEP_BYTES (256 << 10)
 #endif
+
+/* x [B, K] in passes of PASS_B rows; f holds f_per_row floats for each row of x; y's rows are
+ * N elements of y_size bytes. The blocks are split between the threads, and each block goes
+ * through every pass of a sweep (X_SWEEP_BYTES of x) while it is in L1, so that more than
+ * PASS_B rows (the logits of a decode step of 16 sequences) read W from memory once, not once
+ * a pass. Each row's arithmetic is the same in any pass or sweep. */
 static void run(const pass_fn *passes, const uint16_t *x, const float *f, int64_t f_per_row,
                 const uint8_t *w, void *y, int64_t y_size, int64_t block_bytes, int64_t B,
                 int64_t N, int64_t K)
@@ -741,10 +742,10 @@ static void gemm_block(const uint16_t *xa, int ra, const uint16_t *xb, int rb, i
  * sums are the same whatever M); from 17, a last tile of fewer than 16 rows is copied first,
  * with zero rows after them, so that no tile reads past x. (Copying all of x into 1 KiB tiles
  * first, as before, made the four matmuls of a layer 1.07-1.18x slower at 100-1,024 rows on
- * two threads of the AMX Xeon: docs/performance.md, session 26.) silu: W is a gate/up projection (its first
- * N / 2 rows the gate, then the up, N / 2 a whole number of blocks), and y [M, N / 2] gets
- * silu(x Wg^T) * (x Wu^T): each thread takes a gate block with the up block of the same
- * columns, in place of two neighbours. */
+ * two threads of the AMX Xeon: docs/performance.md, session 26.) silu: W is a gate/up
+ * projection (its first N / 2 rows the gate, then the up, N / 2 a whole number of blocks), and
+ * y [M, N / 2] gets silu(x Wg^T) * (x Wu^T): each thread takes a gate block with the up block
+ * of the same columns, in place of two neighbours. */
 static void q4_gemm_amx(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t M, int64_t N,
                         int64_t K, int silu)
 {
