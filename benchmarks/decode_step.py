@@ -160,7 +160,7 @@ def side(stack, flags: tuple[str, ...], timers: bool, kernels: Path | None = Non
     if timers:
         reader = lib.decode_stack_timings
         reader.argtypes = [ctypes.c_void_p]
-    # (an AVX-512 CPU without AMX attends with the avx2 build's, as the engine does)
+    # (from the build the engine takes this CPU's prefill attention from: prefill_fallback)
     prefill = load_library(prefill_source, (*flags, *(variants.prefill_fallback() or ())))
     return fn, reader, ctypes.cast(prefill.paged_prefill_bf16_many, ctypes.c_void_p).value
 

@@ -47,7 +47,6 @@ TENSOR_TYPES = frozenset(
 # The quantized types whose blocks servelm's C kernel multiplies by as they are (the loader
 # checks them against the dequantized weights and serves the projections from them).
 KEPT_TYPES = frozenset({Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})
-BLOCKS_FILE = GGUF_BLOCKS_FILE
 
 
 @dataclass(frozen=True)
@@ -385,7 +384,7 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def write_blocks(path: Path, blocks: dict[str, tuple[np.ndarray, int]]) -> None:
-    """`BLOCKS_FILE`: each tensor's raw blocks, its GGUF type by name in the metadata."""
+    """`GGUF_BLOCKS_FILE`: each tensor's raw blocks, its GGUF type by name in the metadata."""
     types = {name: GGMLQuantizationType(qtype).name for name, (_, qtype) in blocks.items()}
     save_file(
         {name: raw for name, (raw, _) in blocks.items()},
@@ -400,7 +399,7 @@ def _write_folder(reader: GGUFReader, meta: dict[str, Any], folder: Path) -> Non
     weights, blocks = build_weights(reader, config, meta)
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
     if blocks:
-        write_blocks(folder / BLOCKS_FILE, blocks)
+        write_blocks(folder / GGUF_BLOCKS_FILE, blocks)
     _write_json(folder / "config.json", config)
     tokenizer.save(str(folder / "tokenizer.json"))
     _write_json(

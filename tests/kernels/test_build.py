@@ -161,12 +161,11 @@ def test_build_all_then_the_engine_load_the_same_files(tmp_path):
 
 
 @needs_compiler
-@pytest.mark.parametrize("selected", ["avx512-nobf16"])
-def test_an_avx512_cpu_without_bf16_attends_with_the_avx2_build(selected, monkeypatch):
+def test_an_avx512_cpu_without_bf16_attends_with_the_avx2_build(monkeypatch):
     # Its own build of paged_prefill.c has no path (AVX2's needs no AVX-512, the tile layout's
-    # AMX or AVX512-BF16): it
-    # runs the avx2 build's, for prompt and decode tokens alike, and build_all builds that one
-    # in place of its own.
+    # AMX or AVX512-BF16): it runs the avx2 build's, for prompt and decode tokens alike, and
+    # build_all builds that one in place of its own.
+    selected = "avx512-nobf16"
     for name in (selected, "avx2"):
         if variants.unavailable(variants.get(name)):
             pytest.skip(f"this host cannot run {name}")
@@ -183,6 +182,19 @@ def test_an_avx512_cpu_without_bf16_attends_with_the_avx2_build(selected, monkey
     flags = (*variants.selected(), *variants.prefill_fallback())
     prefill = build.build(build.SOURCES_BY_STEM["paged_prefill"], flags)
     assert prefill in built  # the fallback build, the one the kernel loaded
+
+
+@needs_compiler
+def test_an_amx_cpu_refused_its_tiles_attends_with_the_avx512_build(monkeypatch):
+    # The AMX build's path needs the tiles; where Linux refuses them, the vectors of the same
+    # layout (the avx512 build, which such a CPU executes) take the prefill attention.
+    if variants.unavailable(variants.get("avx512")):
+        pytest.skip("this host cannot run avx512")
+    monkeypatch.delenv(variants.ENV, raising=False)
+    with_amx = variants.cpu_flags() | {"amx_tile"}
+    monkeypatch.setattr(variants, "cpu_flags", lambda: with_amx)
+    monkeypatch.setattr(variants, "amx_granted", lambda: False)
+    assert variants.prefill_fallback() == variants.flags(variants.get("avx512"))
 
 
 @needs_compiler

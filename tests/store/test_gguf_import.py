@@ -10,13 +10,14 @@ from safetensors.numpy import load_file
 from tokenizers import Tokenizer
 
 from servelm.store import gguf_import
-from servelm.store.gguf_import import BLOCKS_FILE, import_gguf, unpermute_rotary
+from servelm.store.gguf_import import import_gguf, unpermute_rotary
 from servelm.store.manifest import MANIFEST_NAME, is_complete, sha256_file
+from servelm.store.paths import GGUF_BLOCKS_FILE
 
 OUTPUT_FILES = {
     "config.json",
     "model.safetensors",
-    BLOCKS_FILE,  # the tiny file's down_proj is Q8_0, kept as the file's blocks
+    GGUF_BLOCKS_FILE,  # the tiny file's down_proj is Q8_0, kept as the file's blocks
     "tokenizer.json",
     "tokenizer_config.json",
     "generation_config.json",

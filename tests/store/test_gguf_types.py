@@ -24,7 +24,8 @@ from safetensors import safe_open
 from safetensors.numpy import load_file
 
 from servelm.model.layers.linear import GGUFHead, Linear
-from servelm.store.gguf_import import BLOCKS_FILE, import_gguf
+from servelm.store.gguf_import import import_gguf
+from servelm.store.paths import GGUF_BLOCKS_FILE
 from tests.gguf_kquants import Q
 from tests.golden import TOP
 from tests.store.gguf_models import all_of, q4_k_m, tiny_hf_model, write_family_gguf
@@ -112,7 +113,7 @@ def test_type_imported_and_served(kind, llama, tmp_path, caplog):
             )
             np.testing.assert_array_equal(weights["model.layers.1.mlp.down_proj.weight"], want)
     kept = SERVED[kind] not in (None, "int4")
-    assert (folder / BLOCKS_FILE).is_file() is kept
+    assert (folder / GGUF_BLOCKS_FILE).is_file() is kept
 
     # Served in bfloat16: each projection in the form its file gives it.
     caplog.set_level(logging.INFO, logger="servelm.model.loader")
@@ -201,7 +202,7 @@ def test_kept_blocks_are_the_files(llama, tmp_path):
     src = write_family_gguf(tmp_path / "m.gguf", llama, "llama", q4_k_m)
     folder = import_gguf(src, tmp_path / "model")
     tensors = {t.name: t for t in GGUFReader(src).tensors}
-    with safe_open(str(folder / BLOCKS_FILE), framework="np") as f:
+    with safe_open(str(folder / GGUF_BLOCKS_FILE), framework="np") as f:
         types = json.loads(f.metadata()["types"])
         assert types["model.layers.0.self_attn.v_proj.weight"] == "Q6_K"
         assert types["model.layers.0.self_attn.q_proj.weight"] == "Q4_K"
