@@ -1,6 +1,7 @@
 """Time whole prompt steps of the default model in-process, and what its matmuls reach.
 
     SERVELM_KERNEL_VARIANT=avx512-nobf16 .venv/bin/python -m benchmarks.prompt_step --tokens 256
+    .venv/bin/python -m benchmarks.prompt_step --int4-activations int8
 
 Runs `--repeat` prompts of `--tokens` tokens, one at a time with one token generated (the
 prompt step; prefix caching off, so every prompt is computed whole), and prints the fastest
@@ -40,8 +41,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--timers", action="store_true", help="kernel by kernel (-DSTACK_TIMING)")
+    ap.add_argument("--int4-activations", default="auto", help="as `servelm serve` takes it")
     args = ap.parse_args()
-    llm = LLM(args.model, enable_prefix_caching=False)
+    llm = LLM(args.model, enable_prefix_caching=False, int4_activations=args.int4_activations)
     runner = llm.engine.executor
     reader, kernels, per_kernel = None, None, []
     if args.timers:

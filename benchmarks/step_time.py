@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/step_time.py --dtype bfloat16 --batch 1,16 --context 256
     .venv/bin/python benchmarks/step_time.py --quantization none,auto   # bf16 vs int4 weights
     .venv/bin/python benchmarks/step_time.py --kernels torch,auto   # torch ops vs C kernels
-    .venv/bin/python benchmarks/step_time.py --int4-activations int16,int8,float32
+    .venv/bin/python benchmarks/step_time.py --int4-activations auto,int8
 
 Prints milliseconds per decode step and per prefill of `--prefill` tokens, measured side by side
 for each setting in one run. No server, no HTTP: this isolates the model runner and scheduler.
@@ -62,7 +62,7 @@ def main() -> None:
     )
     ap.add_argument("--kernels", default="auto", help="one or several, comma-separated: auto,torch")
     ap.add_argument(
-        "--int4-activations", default="int16", help="one or several: int16,int8,float32"
+        "--int4-activations", default="auto", help="one or several: auto,int16,int8,float32"
     )
     args = ap.parse_args()
     settings = [

@@ -81,7 +81,7 @@ class EngineArgs:
     quantization: str = "auto"  # auto: int4 projection weights where lossless (--quantization)
     device: str = "auto"
     kernels: str = "auto"  # auto: servelm's C kernels on the CPU where they build; torch
-    int4_activations: str = "int16"  # how the C kernel's int4 matmuls take x (AVX2 path)
+    int4_activations: str = "auto"  # how the C kernel's int4 matmuls take x
     batch_invariant: bool = True  # a request's greedy tokens the same whatever its step holds
     max_model_len: int | None = None
     max_num_seqs: int = 64
@@ -137,12 +137,14 @@ class EngineArgs:
         )
         g.add_argument(
             "--int4-activations",
-            default="int16",
-            choices=["int16", "int8", "float32"],
-            help="how the C int4 matmuls take x on a CPU with AVX2 but without AVX-512 BF16: "
-            "as int16 per group of 32 (exact but for x 2^7 below its group's largest; faster "
-            "than float32), int8 as llama.cpp does (faster again, about 0.7 %% off), or float32; "
-            "the Q8_0 logits head takes int16 under either integer width",
+            default="auto",
+            choices=["auto", "int16", "int8", "float32"],
+            help="how the C int4 matmuls take x (not on AMX tiles): int16 per group of 32 "
+            "(exact but for x 2^7 below its group's largest), int8 as llama.cpp does (about "
+            "0.7 %% off; with VNNI 1.5-1.6x faster prompts), float32 (x as it is: bfloat16 "
+            "products with AVX-512 BF16); auto: int16 on CPUs without AVX-512 BF16, where it "
+            "is faster, else float32. The Q8_0 logits head takes int16 under either integer "
+            "width",
         )
         g.add_argument(
             "--batch-invariant",

@@ -98,7 +98,7 @@ def test_int4_activations_reach_the_quantized_matmul(tiny_model_dir):
     from servelm.worker.executor import create_engine_core
 
     bits = {}
-    for kind in ("int8", "float32", "int16"):
+    for kind in ("int8", "float32", "int16", "auto"):
         args = build_parser(["serve"]).parse_args(
             ["serve", str(tiny_model_dir), "--int4-activations", kind]
         )
@@ -108,10 +108,11 @@ def test_int4_activations_reach_the_quantized_matmul(tiny_model_dir):
         if core.executor.quant_kernel is None:
             pytest.skip("no C compiler here")
         bits[kind] = core.executor.quant_kernel.activation_bits
-    if bits["int16"]:  # this build multiplies x in integers (AVX2)
-        assert bits == ACTIVATIONS
+    auto = bits.pop("auto")  # the build's own choice: int16, or x as it is (AVX-512 BF16)
+    if bits["int16"]:  # this build has x in integers (AVX2 or AVX-512 without AMX tiles)
+        assert bits == ACTIVATIONS and auto in (16, 0)
     else:
-        assert bits == dict.fromkeys(ACTIVATIONS, 0)
+        assert bits == dict.fromkeys(ACTIVATIONS, 0) and auto == 0
     with pytest.raises(SystemExit):
         build_parser(["serve"]).parse_args(["serve", "--int4-activations", "int4"])
 

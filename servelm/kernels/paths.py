@@ -102,8 +102,10 @@ class StepPaths:
         tiles = kernel.tile_min_rows if c else NEVER
         if not c:
             int4 = TORCH_INT4_MAX_ROWS
-        elif invariant or tiles or not bf16:
-            int4 = ALL_ROWS  # tiles, or integer / float32 vectors, serve every input
+        elif invariant or tiles or not bf16 or kernel.activation_bits == 8:
+            # tiles, float32 vectors (no oneDNN bf16 here), or int8 x (faster than oneDNN's
+            # bf16 at every row count) serve every input
+            int4 = ALL_ROWS
         else:
             int4 = C_INT4_VECTOR_MAX_ROWS
         return cls(

@@ -138,6 +138,15 @@ INLINE void Q4_block(const uint16_t *x, const float *xs, const uint8_t *w, uint1
 }
 
 #define Q4_READS_X_F32 0 /* the block reads x as bfloat16; f holds only its group sums */
+/* gemm_int below serves too, but only when asked for (`--int4-activations`): int16 x runs at
+ * vdpbf16ps's rate, so the exact bfloat16 products stay the default; int8 x (vpdpbusd) runs
+ * at twice that, about 0.7 % off (docs/performance.md, session 28) */
+#ifndef Q4_INT8
+#define Q4_INT8 1
+#endif
+#ifndef Q4_X_BITS
+#define Q4_X_BITS 0
+#endif
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -1384,11 +1393,15 @@ static int on_tiles(int64_t B)
 #endif
 static int q4_x_bits = Q4_INT8 ? Q4_X_BITS : 0;
 
-/* How q4 takes x: as int16 (bits 16) or int8 (8) through gemm_int, or in float32 (0); -1
- * only asks. Returns the width now in use; 0 where this build has no integer path. */
+/* How q4 takes x: as int16 (bits 16) or int8 (8) through gemm_int, or as it is (0: in
+ * float32, or bfloat16 pairs where the vector path has them); -1 only asks, -2 goes back to
+ * this build's own choice. Returns the width now in use: 0 where this build has no integer
+ * path, or where AMX tiles take x (as bfloat16, whatever is asked). */
 int64_t q4_activation_bits(int64_t bits)
 {
-    if (Q4_INT8 && (bits == 0 || bits == 8 || bits == 16))
+    if (bits == -2)
+        bits = Q4_INT8 ? Q4_X_BITS : 0;
+    if (Q4_INT8 && (bits == 0 || bits == 8 || bits == 16) && !q4_tile_min_rows())
         q4_x_bits = (int)bits;
     return q4_x_bits;
 }

@@ -3,7 +3,7 @@
     kernel = QuantMatmul.load()                 # None: no C compiler here, use torch
     packed = kernel.pack_q4(q, scale, low)      # once, at load: q [N, K] in 0..15
     y = kernel.q4(x, packed, N)                 # x [B, K] bfloat16 -> y [B, N] bfloat16
-    kernel.use_activations("int8")              # with AVX2: x as int16 (default), int8, float32
+    kernel.use_activations("int8")              # x as int16, int8, float32, or "auto"
     kernel.batch_invariant(False)               # pick paths by row count (faster, see the C file)
     packed = kernel.pack_q8(q, scale)           # q [N, K] in -127..127
     y = kernel.q8(x, packed, N)                 # x [B, K] bfloat16 -> y [B, N] float32 (logits)
@@ -34,8 +34,11 @@ LANES = 16  # rows per block
 Q4_BYTES = LANES * GROUP // 2 + LANES * 2 * 2  # per block and group: quants, scales, lows
 Q8_BYTES = LANES * GROUP + LANES * 2  # quants, scales
 
-# how q4 may take x on the C kernel's AVX2 path: bits of the integers it is quantized to
+# how q4 may take x on the C kernel's vector paths: bits of the integers it is quantized to
+# (0: as it is); "auto" is the build's own choice (int16 with AVX2 alone or AVX-512 without
+# BF16, x as it is with AVX-512 BF16)
 ACTIVATIONS = {"int16": 16, "int8": 8, "float32": 0}
+AUTO = "auto"
 
 _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -85,15 +88,17 @@ class QuantMatmul:
         self._gguf_dequantize.restype = None
 
     def use_activations(self, kind: str) -> None:
-        """How q4 takes x, where this build has integer paths (see the C file): "int16" (the
-        default; exact but for x far below its group's largest), "int8" (faster again, and
-        about 0.7 % off), or "float32". q8 (the logits head) takes x as int16
-        under either integer width, and in float32 under "float32". Elsewhere (AMX, AVX-512
-        BF16, no AVX2) x stays as it is, whatever is asked. For the whole process, which loads
-        the library once."""
-        if kind not in ACTIVATIONS:
-            raise ValueError(f"activations {kind!r}: choose one of {', '.join(ACTIVATIONS)}")
-        self._set_bits(self._activation_bits(ACTIVATIONS[kind]))
+        """How q4 takes x, where this build has integer paths (see the C file): "int16" (exact
+        but for x far below its group's largest), "int8" (about 0.7 % off; twice int16's rate
+        with VNNI), "float32" (x as it is: float32 FMAs, or bfloat16 pairs with AVX-512 BF16),
+        or "auto", the build's own choice: int16 where that is faster than x as it is (AVX2
+        alone, AVX-512 without BF16), else x as it is. q8 (the logits head) takes x as int16
+        under either integer width. On AMX tiles, and without AVX2, x stays as it is whatever
+        is asked. For the whole process, which loads the library once."""
+        if kind != AUTO and kind not in ACTIVATIONS:
+            choices = ", ".join([AUTO, *ACTIVATIONS])
+            raise ValueError(f"activations {kind!r}: choose one of {choices}")
+        self._set_bits(self._activation_bits(-2 if kind == AUTO else ACTIVATIONS[kind]))
 
     def batch_invariant(self, on: bool) -> None:
         """Whether each row of x is computed alike whatever the number of rows (the default):

@@ -70,7 +70,7 @@ class ModelRunner:
         quantization: str = "auto",
         device: str = "auto",
         kernels: str = "auto",
-        int4_activations: str = "int16",
+        int4_activations: str = "auto",
         batch_invariant: bool = True,
         block_size: int = 16,
         max_model_len: int,

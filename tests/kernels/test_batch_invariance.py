@@ -57,7 +57,7 @@ def test_q4_rows_alone_equal_rows_among_others(kernel, activations):
             x = some_x(batch, 576, batch)
             assert rows_alone_differ(lambda x: kernel.q4(x, packed, 96), x) == [], batch
     finally:
-        kernel.use_activations("int16")
+        kernel.use_activations("auto")
 
 
 def test_q8_rows_alone_equal_rows_among_others(kernel):

@@ -24,7 +24,7 @@ from servelm.kernels.paths import (
 )
 from servelm.kernels.quant_matmul import ACTIVATIONS, QuantMatmul
 from servelm.model.layers.linear import Int4Weight, Linear, LogitsHead, Q8Weight, _on_grid
-from tests.kernels.variants import INTEGERS, TILES, flags, native, params
+from tests.kernels.variants import INTEGER_PATHS, INTEGERS, TILES, flags, native, params
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no C compiler on this machine")
 
@@ -46,7 +46,7 @@ def plain_c() -> QuantMatmul:
 
 
 # the tests of x taken in integers, in the builds that have that path
-in_integers = pytest.mark.parametrize("variant", params(INTEGERS), indirect=True)
+in_integers = pytest.mark.parametrize("variant", params(INTEGER_PATHS), indirect=True)
 
 
 @pytest.fixture
@@ -121,7 +121,7 @@ def test_prompt_sized_inputs_in_more_than_one_pass(kernel, batch, shape):
 def activations(kernel):
     """Sets how q4 takes x for one test (a setting of the whole process), then the default."""
     yield kernel.use_activations
-    kernel.use_activations("int16")
+    kernel.use_activations("auto")
 
 
 def test_without_tiles_many_rows_go_to_a_float32_matmul(kernel, by_row_count, activations):
@@ -168,7 +168,17 @@ def integer_reference(x, q, scale, low, bits) -> torch.Tensor:
 
 
 def test_the_builds_with_an_avx2_q4_path_take_x_in_integers(kernel, variant):
-    # int16 by default there; the others keep x as it is, whatever is asked
+    # int16 by default there, where it is faster than x as it is; the others keep x as it is
+    assert kernel.activation_bits == (16 if variant in INTEGERS else 0)
+
+
+def test_integers_are_taken_where_asked_and_auto_is_the_builds_choice(kernel, variant, activations):
+    """AVX-512 BF16 takes x in integers only when asked (int8 is twice its bfloat16 rate);
+    the AMX tiles, and builds without AVX2, never do."""
+    for kind, bits in [("int8", 8), ("int16", 16), ("float32", 0)]:
+        activations(kind)
+        assert kernel.activation_bits == (bits if variant in INTEGER_PATHS else 0), kind
+    activations("auto")
     assert kernel.activation_bits == (16 if variant in INTEGERS else 0)
 
 
@@ -241,6 +251,7 @@ def integer_path_results(kernel: QuantMatmul) -> list[torch.Tensor]:
     packed = QuantMatmul.pack_q8(q, scale)
     for batch in batches:
         out.append(kernel.q8(torch.randn(batch, 576, generator=g).bfloat16(), packed, 4096))
+    kernel.use_activations("auto")
     return out
 
 
@@ -259,11 +270,12 @@ def avx2() -> QuantMatmul:
     return loaded
 
 
-@pytest.mark.parametrize("variant", params(INTEGERS - {"avx2"}), indirect=True)
+@pytest.mark.parametrize("variant", params(INTEGER_PATHS - {"avx2"}), indirect=True)
 def test_avx512s_wide_integer_tiles_give_the_avx2_builds_bits(kernel, avx2, activations):
     """AVX-512 (here with AVX512-VNNI's vpdpwssd and vpdpbusd) sums the same integers in 512-bit
     tiles of up to 12 rows and combines them in the same float32 steps: the same bits as the
-    AVX2 build, so greedy output does not change between these CPUs."""
+    AVX2 build, so greedy output does not change between these CPUs (with AVX-512 BF16 too,
+    where x is taken in integers when asked)."""
     assert_same_bits(integer_path_results(kernel), integer_path_results(avx2))
 
 
@@ -481,6 +493,7 @@ def test_q8_in_float32_keeps_what_int16_rounds_away(kernel, activations):
     x = torch.full((2, 32), 2.0**-12).bfloat16()
     x[:, 0] = 16.0
     packed = QuantMatmul.pack_q8(q, scale)
+    activations("int16")
     assert not kernel.q8(x, packed, 16).any()
     activations("float32")
     assert torch.equal(kernel.q8(x, packed, 16), torch.full((2, 16), 31 * 50 * 2.0**-12))
