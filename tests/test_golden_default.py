@@ -183,6 +183,14 @@ def test_bfloat16_serving_weights_match(default_model_dir, reference, prompts, q
     summary = llm.engine.executor.kernel_summary
     assert ("prefill attention: C paged_prefill_bf16" in summary) == amx, summary
     check(llm, reference, prompts)  # the golden rule, free-running
+    misses, positions = teacher_forced_misses(llm, reference, prompts)
+    assert misses <= positions // 20, misses
+
+
+def teacher_forced_misses(llm, reference, prompts) -> tuple[int, int]:
+    """Given the prompt and transformers' first i tokens, servelm's next token at every i: how
+    many differ from transformers' (each must be a near-tie: ours among transformers' top
+    tokens, theirs among ours), of how many positions."""
     forced, want = [], []
     for prompt in prompts:
         theirs, tops = reference(prompt)
@@ -197,4 +205,22 @@ def test_bfloat16_serving_weights_match(default_model_dir, reference, prompts, q
             misses += 1
             assert comp.token_ids[0] in their_top and token in our_tops(comp)[0]
     print(f"teacher-forced misses: {misses} of {len(forced)}")
-    assert misses <= len(forced) // 20, misses
+    return misses, len(forced)
+
+
+def test_int8_activations_miss_only_near_ties(default_model_dir, reference, prompts):
+    """`--int4-activations int8` (the projections' x as GGUF's Q8_0, about 0.7 % off, where a
+    build has the integer path): fewer tokens agree, but each miss is still a near-tie
+    (measured: 18 of 256 on the Zen 4, against 4 with its default; the integer path gives the
+    same bits on every build that has it)."""
+    llm = LLM(
+        str(default_model_dir),
+        dtype="bfloat16",
+        int4_activations="int8",
+        kv_cache_memory="128MiB",
+    )
+    kernel = llm.engine.executor.quant_kernel
+    if kernel is None or kernel.activation_bits != 8:
+        pytest.skip("this build takes x as it is (AMX tiles, or no AVX2)")
+    misses, positions = teacher_forced_misses(llm, reference, prompts)
+    assert misses <= positions // 8, misses
