@@ -144,7 +144,7 @@ class EngineArgs:
             "0.7 %% off; with VNNI 1.5-1.6x faster prompts), float32 (x as it is: bfloat16 "
             "products with AVX-512 BF16); auto: int16 on CPUs without AVX-512 BF16, where it "
             "is faster, else float32. The Q8_0 logits head takes int16 under either integer "
-            "width",
+            "width, but for AVX-512 BF16's own path, which is faster",
         )
         g.add_argument(
             "--batch-invariant",

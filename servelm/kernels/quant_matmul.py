@@ -93,8 +93,9 @@ class QuantMatmul:
         with VNNI), "float32" (x as it is: float32 FMAs, or bfloat16 pairs with AVX-512 BF16),
         or "auto", the build's own choice: int16 where that is faster than x as it is (AVX2
         alone, AVX-512 without BF16), else x as it is. q8 (the logits head) takes x as int16
-        under either integer width. On AMX tiles, and without AVX2, x stays as it is whatever
-        is asked. For the whole process, which loads the library once."""
+        under either integer width, but for AVX-512 BF16's faster path of its own. On AMX
+        tiles, and without AVX2, x stays as it is whatever is asked. For the whole process,
+        which loads the library once."""
         if kind != AUTO and kind not in ACTIVATIONS:
             choices = ", ".join([AUTO, *ACTIVATIONS])
             raise ValueError(f"activations {kind!r}: choose one of {choices}")
