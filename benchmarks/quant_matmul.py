@@ -1,8 +1,8 @@
 """Time the C Q4_1 matmuls of one layer of the default model's shape, side by side: the kernel
 as this CPU runs it (AMX tiles from 6 rows where the CPU has them; with AVX2 alone, x quantized
 to int16) against the same source built without AMX (`-mno-amx-tile`) and without the integer
-path, kept on its float vector path (AVX-512 BF16, or AVX2) at every batch, and (with AVX2)
-against x quantized to int8; then, at prompt sizes, the kernel against the matmul the engine would run on a plain
+path, kept on its float vector path (AVX-512 BF16, or AVX2) at every batch, and (with AVX2 or
+AVX-512) against x quantized to int8; then, at prompt sizes, the kernel against the matmul the engine would run on a plain
 weight: oneDNN's bf16 matmul (torch's packed linear) where this CPU has it, else torch's
 float32 matmul on a float32 copy.
 
