@@ -103,8 +103,8 @@ class StepPaths:
         if not c:
             int4 = TORCH_INT4_MAX_ROWS
         elif invariant or tiles or not bf16 or kernel.activation_bits == 8:
-            # tiles, float32 vectors (no oneDNN bf16 here), or int8 x (faster than oneDNN's
-            # bf16 at every row count) serve every input
+            # tiles, float32 vectors (no oneDNN bf16 here), or int8 x (1.13-1.69x oneDNN's
+            # bf16 at 17-1,024 rows on the Zen 4: docs/performance.md, session 28) serve all
             int4 = ALL_ROWS
         else:
             int4 = C_INT4_VECTOR_MAX_ROWS

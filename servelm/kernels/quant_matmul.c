@@ -1394,7 +1394,8 @@ static int on_tiles(int64_t B)
 #ifndef Q4_X_BITS
 #define Q4_X_BITS 16 /* how q4 takes x until told (benchmarks build it with 8) */
 #endif
-static int q4_x_bits = Q4_INT8 ? Q4_X_BITS : 0;
+#define Q4_OWN_BITS (Q4_INT8 ? Q4_X_BITS : 0) /* this build's own choice */
+static int q4_x_bits = Q4_OWN_BITS;
 
 /* How q4 takes x: as int16 (bits 16) or int8 (8) through gemm_int, or as it is (0: in
  * float32, or bfloat16 pairs where the vector path has them); -1 only asks, -2 goes back to
@@ -1403,7 +1404,7 @@ static int q4_x_bits = Q4_INT8 ? Q4_X_BITS : 0;
 int64_t q4_activation_bits(int64_t bits)
 {
     if (bits == -2)
-        bits = Q4_INT8 ? Q4_X_BITS : 0;
+        bits = Q4_OWN_BITS;
     if (Q4_INT8 && (bits == 0 || bits == 8 || bits == 16) && !q4_tile_min_rows())
         q4_x_bits = (int)bits;
     return q4_x_bits;
