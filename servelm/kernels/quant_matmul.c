@@ -72,10 +72,35 @@ static int64_t amx_min_b = 6;
  * (docs/performance.md). Batch invariant, every row count takes it. Set as amx_min_b is. */
 static int64_t qx_min_b = 2;
 
-/* sum_j x[b, 32g + j] for every row b and group g, from bfloat16 x [B, K] */
+/* sum_j x[b, 32g + j] for every row b and group g, from bfloat16 x [B, K], j = 0 .. 31 in turn.
+ * With AVX-512, 16 groups at a time, one a lane (the words of a pair gathered from 16 groups,
+ * then each widened and added): the same additions in the same order, so the same sums, about
+ * 8x faster; split between the threads from 64 groups. Done serially one element at a time, it
+ * took 4-9 % of a prompt's q4 matmuls (docs/performance.md, session 29). */
 static void group_sums(const uint16_t *x, float *xs, int64_t B, int64_t K)
 {
-    for (int64_t i = 0; i < B * (K / GROUP); i++) {
+    const int64_t n = B * (K / GROUP);
+    int64_t done = 0; /* groups summed in vectors */
+#ifdef __AVX512F__
+    const int64_t vectors = n / LANES;
+    const __m512i group = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7,
+                                                              6, 5, 4, 3, 2, 1, 0),
+                                             _mm512_set1_epi32(GROUP / 2));
+    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+#pragma omp parallel for schedule(static) if (n >= 64)
+    for (int64_t v = 0; v < vectors; v++) {
+        const int32_t *words = (const int32_t *)(x + v * LANES * GROUP);
+        __m512 s = _mm512_setzero_ps();
+        for (int j = 0; j < GROUP / 2; j++) {
+            const __m512i pair = _mm512_i32gather_epi32(group, words + j, 4);
+            s = _mm512_add_ps(s, _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16)));
+            s = _mm512_add_ps(s, _mm512_castsi512_ps(_mm512_and_si512(pair, high)));
+        }
+        _mm512_storeu_ps(xs + v * LANES, s);
+    }
+    done = vectors * LANES;
+#endif
+    for (int64_t i = done; i < n; i++) {
         float s = 0.f;
         for (int j = 0; j < GROUP; j++)
             s += bf16_to_float(x[i * GROUP + j]);
@@ -1431,9 +1456,11 @@ void q4_matmul_bf16(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t B,
 #endif
     const int64_t G = K / GROUP, per_row = G + (Q4_READS_X_F32 ? K : 0);
     float *f = malloc((size_t)(B * per_row) * sizeof(float));
-    for (int64_t b = 0; b < B; b++) {
+    if (!Q4_READS_X_F32)
+        group_sums(x, f, B, K);
+    for (int64_t b = 0; Q4_READS_X_F32 && b < B; b++) {
         group_sums(x + b * K, f + b * per_row, 1, K);
-        for (int64_t k = 0; k < (Q4_READS_X_F32 ? K : 0); k++)
+        for (int64_t k = 0; k < K; k++)
             f[b * per_row + G + k] = bf16_to_float(x[b * K + k]);
     }
     run(Q4_passes, x, f, per_row, w, y, 2, Q4_BYTES, B, N, K);
