@@ -567,13 +567,18 @@ int64_t q4_batch_invariant(int64_t on)
  * through every pass of a sweep (X_SWEEP_BYTES of x) while it is in L1, so that more than
  * PASS_B rows (the logits of a decode step of 16 sequences) read W from memory once, not once
  * a pass. Each row's arithmetic is the same in any pass or sweep. */
+INLINE int64_t sweep_rows(int64_t K)
+{
+    const int64_t sweep = X_SWEEP_BYTES / (K * 2) / PASS_B * PASS_B;
+    return sweep < PASS_B ? PASS_B : sweep;
+}
+
 static void run(const pass_fn *passes, const uint16_t *x, const float *f, int64_t f_per_row,
                 const uint8_t *w, void *y, int64_t y_size, int64_t block_bytes, int64_t B,
                 int64_t N, int64_t K)
 {
     const int fixed = invariant;
-    int64_t sweep = X_SWEEP_BYTES / (K * 2) / PASS_B * PASS_B;
-    sweep = sweep < PASS_B ? PASS_B : sweep;
+    const int64_t sweep = sweep_rows(K);
 #pragma omp parallel
     for (int64_t b1 = 0; b1 < B; b1 += sweep) {
         const int64_t end = B - b1 < sweep ? B : b1 + sweep;
@@ -586,6 +591,44 @@ static void run(const pass_fn *passes, const uint16_t *x, const float *f, int64_
             }
     }
 }
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define SILU_PASSES 1
+/* act [B, I] = silu_and_mul of a q4 gate/up projection (w: I gate rows, then I up rows) through
+ * the vector passes: each thread takes a gate block and its up block together, pass by pass,
+ * into two small buffers, and stores silu_mul16 of them as silu_and_mul_bf16 does, so the same
+ * bits as the two kernels one after the other, without writing the projection's output and
+ * reading it back (a 256-token prompt step's silu 4.5 ms; docs/performance.md, session 29).
+ * f: the group sums of x (Q4_READS_X_F32 is 0 here). */
+static void run_silu(const uint16_t *x, const float *f, const uint8_t *w, uint16_t *act,
+                     int64_t B, int64_t I, int64_t K)
+{
+    const int fixed = invariant;
+    const int64_t sweep = sweep_rows(K), G = K / GROUP, gate_blocks = I / LANES;
+#pragma omp parallel
+    {
+        uint16_t gate[PASS_B * LANES], up[PASS_B * LANES];
+        for (int64_t b1 = 0; b1 < B; b1 += sweep) {
+            const int64_t end = B - b1 < sweep ? B : b1 + sweep;
+#pragma omp for schedule(static) nowait
+            for (int64_t n = 0; n < gate_blocks; n++)
+                for (int64_t b0 = b1; b0 < end; b0 += PASS_B) {
+                    const int64_t nb = end - b0 < PASS_B ? end - b0 : PASS_B;
+                    Q4_passes[nb](x + b0 * K, f + b0 * G, w + n * G * Q4_BYTES, gate, LANES, K,
+                                  fixed);
+                    Q4_passes[nb](x + b0 * K, f + b0 * G, w + (gate_blocks + n) * G * Q4_BYTES,
+                                  up, LANES, K, fixed);
+                    for (int64_t r = 0; r < nb; r++)
+                        store_bf16(act + (b0 + r) * I + n * LANES,
+                                   silu_mul16(load_bf16(gate + r * LANES),
+                                              load_bf16(up + r * LANES)));
+                }
+        }
+    }
+}
+#else
+#define SILU_PASSES 0
+#endif
 
 #ifdef HAVE_AMX
 /* q4 on the tile unit, as a bfloat16 GEMM (see the top of the file). */
@@ -1435,6 +1478,28 @@ int64_t q4_activation_bits(int64_t bits)
     return q4_x_bits;
 }
 
+/* What the q4 vector passes read besides x (their `f`), malloc'd: each row's group sums, and
+ * where Q4_READS_X_F32 the row in float32 after them. */
+static float *x_sums(const uint16_t *x, int64_t B, int64_t K)
+{
+    const int64_t G = K / GROUP, per_row = G + (Q4_READS_X_F32 ? K : 0);
+    float *f = malloc((size_t)(B * per_row) * sizeof(float));
+    if (!Q4_READS_X_F32)
+        group_sums(x, f, B, K);
+    for (int64_t b = 0; Q4_READS_X_F32 && b < B; b++) {
+        group_sums(x + b * K, f + b * per_row, 1, K);
+        for (int64_t k = 0; k < K; k++)
+            f[b * per_row + G + k] = bf16_to_float(x[b * K + k]);
+    }
+    return f;
+}
+
+/* Whether q4 takes x in integers (gemm_int) for B rows. */
+INLINE int on_integers(int64_t B)
+{
+    return Q4_INT8 && q4_x_bits && B >= (invariant ? 1 : qx_min_b);
+}
+
 /* x [B, K] bfloat16; w [N / 16, K / 32, Q4_BYTES or Q8_BYTES] as above; y [B, N], bfloat16
  * (q4) or float32 (q8: the logits). K % 32 == 0 and N % 16 == 0 (the caller checks). Batch
  * invariant, one path serves every B: the tiles where there are tiles, else integer x where
@@ -1449,39 +1514,42 @@ void q4_matmul_bf16(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t B,
     }
 #endif
 #if Q4_INT8
-    if (q4_x_bits && B >= (invariant ? 1 : qx_min_b)) {
+    if (on_integers(B)) {
         gemm_int(x, w, y, B, N, K, q4_x_bits, 0);
         return;
     }
 #endif
-    const int64_t G = K / GROUP, per_row = G + (Q4_READS_X_F32 ? K : 0);
-    float *f = malloc((size_t)(B * per_row) * sizeof(float));
-    if (!Q4_READS_X_F32)
-        group_sums(x, f, B, K);
-    for (int64_t b = 0; Q4_READS_X_F32 && b < B; b++) {
-        group_sums(x + b * K, f + b * per_row, 1, K);
-        for (int64_t k = 0; k < K; k++)
-            f[b * per_row + G + k] = bf16_to_float(x[b * K + k]);
-    }
-    run(Q4_passes, x, f, per_row, w, y, 2, Q4_BYTES, B, N, K);
+    float *f = x_sums(x, B, K);
+    run(Q4_passes, x, f, K / GROUP + (Q4_READS_X_F32 ? K : 0), w, y, 2, Q4_BYTES, B, N, K);
     free(f);
 }
 
 /* act [B, I] = silu(x Wg^T) * (x Wu^T), w the q4 gate/up projection [2I rows: the gate's,
- * then the up's, K]: on the tiles, with silu_and_mul's arithmetic in the tiles' stores, bit for
- * bit what q4_matmul_bf16 and then silu_and_mul_bf16 give, without writing the projection's
- * output and reading it back. Returns 0, having done nothing, where q4_matmul_bf16 would not
- * take the tiles or I is not a whole number of blocks: the caller runs the two kernels. */
+ * then the up's, K]: on the tiles, with silu_and_mul's arithmetic in the tiles' stores, or
+ * with AVX-512 BF16 through the vector passes (run_silu); bit for bit what q4_matmul_bf16 and
+ * then silu_and_mul_bf16 give, without writing the projection's output and reading it back.
+ * Returns 0, having done nothing, where q4_matmul_bf16 would take neither (integer x, another
+ * build) or I is not a whole number of blocks: the caller runs the two kernels. */
 int64_t q4_silu_matmul_bf16(const uint16_t *x, const uint8_t *w, uint16_t *act, int64_t B,
                             int64_t I, int64_t K)
 {
+    if (I % LANES)
+        return 0;
 #ifdef HAVE_AMX
-    if (on_tiles(B) && I % LANES == 0) {
+    if (on_tiles(B)) {
         q4_gemm_amx(x, w, act, B, 2 * I, K, 1);
         return 1;
     }
 #endif
-    (void)x, (void)w, (void)act, (void)B, (void)I, (void)K;
+#if SILU_PASSES
+    if (!on_integers(B)) {
+        float *f = x_sums(x, B, K);
+        run_silu(x, f, w, act, B, I, K);
+        free(f);
+        return 1;
+    }
+#endif
+    (void)x, (void)w, (void)act, (void)B, (void)K;
     return 0;
 }
 
