@@ -246,6 +246,15 @@ INLINE __m256 exp_approx8(__m256 x)
         _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
+
+/* silu_mul16 (above) for 8 lanes: silu_and_mul where AVX2 is the widest, and the q4 gate/up
+ * passes' fused stores in the same builds */
+INLINE __m256 silu_mul8(__m256 gate, __m256 up)
+{
+    const __m256 e = exp_approx8(_mm256_mul_ps(gate, _mm256_set1_ps(-1.f)));
+    return _mm256_mul_ps(round_bf16_8(_mm256_div_ps(gate, _mm256_add_ps(_mm256_set1_ps(1.f), e))),
+                         up);
+}
 #endif
 
 /* AMX (Sapphire Rapids and later): the tile registers, where the compiler targets them. */

@@ -120,12 +120,6 @@ typedef __m256 vec;
 #define V_SET1 _mm256_set1_ps
 #define V_ZERO _mm256_setzero_ps
 #define V_SUM lanes_sum8
-INLINE __m256 silu_mul8(__m256 gate, __m256 up) /* as silu_mul16 (common.h), 8 lanes */
-{
-    const __m256 e = exp_approx8(_mm256_mul_ps(gate, _mm256_set1_ps(-1.f)));
-    return _mm256_mul_ps(round_bf16_8(_mm256_div_ps(gate, _mm256_add_ps(_mm256_set1_ps(1.f), e))),
-                         up);
-}
 #define V_SILU_MUL silu_mul8
 #endif
 

@@ -20,7 +20,7 @@
  *                                           prompt chunk of one)
  *   delta = a Wo^T;  h = norm(x += delta)   matmul, add_rms_norm
  *   delta = silu(h Wg^T) * (h Wu^T) Wd^T    matmul, silu_and_mul, matmul (the first two in
- *                                           one on AMX tiles: q4_silu_matmul)
+ *                                           one where the gate/up is q4: q4_silu_matmul)
  *
  * and after the last layer out = norm(x += delta). Tensors are bfloat16, row-major. The last
  * layer, after storing every row's K/V, goes on with the step's K kept rows alone (a prompt
@@ -271,7 +271,7 @@ void decode_stack_bf16(const struct kernels *k, const struct shape *s, const str
         }
         TIMED(T_O, project(k, ly->o, buf->attn, buf->delta, R, H, q_size, buf->part));
         TIMED(T_NORM, k->norm(x, buf->delta, ly->post_norm, buf->h, R, H, s->eps));
-        /* a q4 gate/up on the tiles: silu_and_mul in the matmul's stores (the same bits) */
+        /* a q4 gate/up: silu_and_mul in the matmul's stores (the same bits) */
         const struct proj *gu = ly->gate_up;
         int64_t fused = 0;
         if (k->q4_silu && gu->num_parts == 1 && gu->parts[0].kind == PART_Q4)

@@ -592,19 +592,31 @@ static void run(const pass_fn *passes, const uint16_t *x, const float *f, int64_
     }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define SILU_PASSES 1
+#if defined(__AVX2__) && defined(__FMA__)
+#define FUSED_SILU 1
+/* out[0 .. 15] = silu_and_mul of 16 bfloat16 gate and up values, in the lanes cpu_ops.c's
+ * silu_and_mul_bf16 takes in this build, so with its bits */
+INLINE void silu_store(const uint16_t *gate, const uint16_t *up, uint16_t *out)
+{
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+    store_bf16(out, silu_mul16(load_bf16(gate), load_bf16(up)));
+#else
+    for (int h = 0; h < LANES; h += 8)
+        store_bf16_8(out + h, silu_mul8(load_bf16_8(gate + h), load_bf16_8(up + h)));
+#endif
+}
+
 /* act [B, I] = silu_and_mul of a q4 gate/up projection (w: I gate rows, then I up rows) through
  * the vector passes: each thread takes a gate block and its up block together, pass by pass,
- * into two small buffers, and stores silu_mul16 of them as silu_and_mul_bf16 does, so the same
- * bits as the two kernels one after the other, without writing the projection's output and
- * reading it back (a 256-token prompt step's silu 4.5 ms; docs/performance.md, session 29).
- * f: the group sums of x (Q4_READS_X_F32 is 0 here). */
+ * into two small buffers, and stores silu_store of them: the bits of q4_matmul_bf16 and then
+ * silu_and_mul_bf16, without writing the projection's output and reading it back (a 256-token
+ * prompt step's silu took 4.5 ms on the Zen 4; docs/performance.md, session 29). f: x_sums. */
 static void run_silu(const uint16_t *x, const float *f, const uint8_t *w, uint16_t *act,
                      int64_t B, int64_t I, int64_t K)
 {
     const int fixed = invariant;
-    const int64_t sweep = sweep_rows(K), G = K / GROUP, gate_blocks = I / LANES;
+    const int64_t sweep = sweep_rows(K), G = K / GROUP, per_row = G + (Q4_READS_X_F32 ? K : 0);
+    const int64_t gate_blocks = I / LANES;
 #pragma omp parallel
     {
         uint16_t gate[PASS_B * LANES], up[PASS_B * LANES];
@@ -614,20 +626,19 @@ static void run_silu(const uint16_t *x, const float *f, const uint8_t *w, uint16
             for (int64_t n = 0; n < gate_blocks; n++)
                 for (int64_t b0 = b1; b0 < end; b0 += PASS_B) {
                     const int64_t nb = end - b0 < PASS_B ? end - b0 : PASS_B;
-                    Q4_passes[nb](x + b0 * K, f + b0 * G, w + n * G * Q4_BYTES, gate, LANES, K,
-                                  fixed);
-                    Q4_passes[nb](x + b0 * K, f + b0 * G, w + (gate_blocks + n) * G * Q4_BYTES,
-                                  up, LANES, K, fixed);
+                    const float *fb = f + b0 * per_row;
+                    Q4_passes[nb](x + b0 * K, fb, w + n * G * Q4_BYTES, gate, LANES, K, fixed);
+                    Q4_passes[nb](x + b0 * K, fb, w + (gate_blocks + n) * G * Q4_BYTES, up, LANES,
+                                  K, fixed);
                     for (int64_t r = 0; r < nb; r++)
-                        store_bf16(act + (b0 + r) * I + n * LANES,
-                                   silu_mul16(load_bf16(gate + r * LANES),
-                                              load_bf16(up + r * LANES)));
+                        silu_store(gate + r * LANES, up + r * LANES,
+                                   act + (b0 + r) * I + n * LANES);
                 }
         }
     }
 }
 #else
-#define SILU_PASSES 0
+#define FUSED_SILU 0
 #endif
 
 #ifdef HAVE_AMX
@@ -1369,8 +1380,20 @@ INLINE void int_tiles(const void *a, const float *d, const float *xs, const uint
 /* y [B, N] = x [B, K] W^T through x in integers of `bits` (q4; q8 takes 16 only): x is
  * quantized, then taken in chunks that stay in L2, each chunk's tiles of rows through every
  * block of W, the blocks split between the threads. */
+/* One tile of q4 (bits and q8 constants in each call, for the tile's inlining). */
+INLINE void q4_int_tile(const void *a, const float *d, const float *xs, const uint8_t *w, void *y,
+                        int64_t N, int64_t K, int64_t rows, int bits)
+{
+    if (bits == 16)
+        int_tiles(a, d, xs, w, y, N, K, rows, 16, 0);
+    else
+        int_tiles(a, d, xs, w, y, N, K, rows, 8, 0);
+}
+
+/* `silu` (q4 only, in a build with FUSED_SILU): W is a gate/up projection of N = 2I rows and y
+ * is act [B, I], silu_and_mul of its halves, as run_silu does it. */
 static void gemm_int(const uint16_t *x, const uint8_t *w, void *y, int64_t B, int64_t N,
-                     int64_t K, int bits, int q8)
+                     int64_t K, int bits, int q8, int silu)
 {
     /* int16, or int8 pairs twice (int8 quads: QX_WIDE) */
     const int64_t G = K / GROUP, row_bytes = QX_WIDE && bits == 8 && !q8 ? K : 2 * K;
@@ -1380,23 +1403,38 @@ static void gemm_int(const uint16_t *x, const uint8_t *w, void *y, int64_t B, in
     quantize_rows(x, scratch, d, xs, B, K, bits);
     int64_t chunk = QX_CHUNK_BYTES / row_bytes / QX_TILE_ROWS * QX_TILE_ROWS;
     chunk = chunk < QX_TILE_ROWS ? QX_TILE_ROWS : chunk;
+    const int64_t blocks = N / LANES / (silu ? 2 : 1); /* (gate blocks, with silu) */
 #pragma omp parallel
-    for (int64_t b0 = 0; b0 < B; b0 += chunk) {
-        const int64_t b1 = b0 + chunk < B ? b0 + chunk : B;
+    {
+        uint16_t gate[QX_TILE_ROWS * LANES], up[QX_TILE_ROWS * LANES];
+        for (int64_t b0 = 0; b0 < B; b0 += chunk) {
+            const int64_t b1 = b0 + chunk < B ? b0 + chunk : B;
 #pragma omp for schedule(static) nowait
-        for (int64_t n = 0; n < N / LANES; n++)
-            for (int64_t b = b0; b < b1; b += QX_TILE_ROWS) {
-                const void *a = scratch + b * row_bytes;
-                const uint8_t *wn = w + n * block_bytes;
-                void *yb = (char *)y + (b * N + n * LANES) * (q8 ? 4 : 2);
-                const int64_t rows = b1 - b < QX_TILE_ROWS ? b1 - b : QX_TILE_ROWS;
-                if (q8) /* bits and q8 constants in each call, for the tile's inlining */
-                    int_tiles(a, d + b * G, xs + b * G, wn, yb, N, K, rows, 16, 1);
-                else if (bits == 16)
-                    int_tiles(a, d + b * G, xs + b * G, wn, yb, N, K, rows, 16, 0);
-                else
-                    int_tiles(a, d + b * G, xs + b * G, wn, yb, N, K, rows, 8, 0);
-            }
+            for (int64_t n = 0; n < blocks; n++)
+                for (int64_t b = b0; b < b1; b += QX_TILE_ROWS) {
+                    const void *a = scratch + b * row_bytes;
+                    const uint8_t *wn = w + n * block_bytes;
+                    const int64_t rows = b1 - b < QX_TILE_ROWS ? b1 - b : QX_TILE_ROWS;
+                    if (q8) {
+                        int_tiles(a, d + b * G, xs + b * G, wn, (float *)y + b * N + n * LANES,
+                                  N, K, rows, 16, 1);
+                        continue;
+                    }
+#if FUSED_SILU
+                    if (silu) {
+                        q4_int_tile(a, d + b * G, xs + b * G, wn, gate, LANES, K, rows, bits);
+                        q4_int_tile(a, d + b * G, xs + b * G, wn + blocks * block_bytes, up,
+                                    LANES, K, rows, bits);
+                        for (int64_t r = 0; r < rows; r++)
+                            silu_store(gate + r * LANES, up + r * LANES,
+                                       (uint16_t *)y + (b + r) * (N / 2) + n * LANES);
+                        continue;
+                    }
+#endif
+                    q4_int_tile(a, d + b * G, xs + b * G, wn, (uint16_t *)y + b * N + n * LANES,
+                                N, K, rows, bits);
+                }
+        }
     }
     free(scratch);
 }
@@ -1515,7 +1553,7 @@ void q4_matmul_bf16(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t B,
 #endif
 #if Q4_INT8
     if (on_integers(B)) {
-        gemm_int(x, w, y, B, N, K, q4_x_bits, 0);
+        gemm_int(x, w, y, B, N, K, q4_x_bits, 0, 0);
         return;
     }
 #endif
@@ -1525,11 +1563,11 @@ void q4_matmul_bf16(const uint16_t *x, const uint8_t *w, uint16_t *y, int64_t B,
 }
 
 /* act [B, I] = silu(x Wg^T) * (x Wu^T), w the q4 gate/up projection [2I rows: the gate's,
- * then the up's, K]: on the tiles, with silu_and_mul's arithmetic in the tiles' stores, or
- * with AVX-512 BF16 through the vector passes (run_silu); bit for bit what q4_matmul_bf16 and
+ * then the up's, K], on whichever path q4_matmul_bf16 takes, silu_and_mul's arithmetic in its
+ * stores (the tiles', gemm_int's or the vector passes'): bit for bit what q4_matmul_bf16 and
  * then silu_and_mul_bf16 give, without writing the projection's output and reading it back.
- * Returns 0, having done nothing, where q4_matmul_bf16 would take neither (integer x, another
- * build) or I is not a whole number of blocks: the caller runs the two kernels. */
+ * Returns 0, having done nothing, in a build without AVX2 or where I is not a whole number of
+ * blocks: the caller runs the two kernels. */
 int64_t q4_silu_matmul_bf16(const uint16_t *x, const uint8_t *w, uint16_t *act, int64_t B,
                             int64_t I, int64_t K)
 {
@@ -1541,16 +1579,21 @@ int64_t q4_silu_matmul_bf16(const uint16_t *x, const uint8_t *w, uint16_t *act, 
         return 1;
     }
 #endif
-#if SILU_PASSES
-    if (!on_integers(B)) {
-        float *f = x_sums(x, B, K);
-        run_silu(x, f, w, act, B, I, K);
-        free(f);
+#if FUSED_SILU
+#if Q4_INT8
+    if (on_integers(B)) {
+        gemm_int(x, w, act, B, 2 * I, K, q4_x_bits, 0, 1);
         return 1;
     }
 #endif
+    float *f = x_sums(x, B, K);
+    run_silu(x, f, w, act, B, I, K);
+    free(f);
+    return 1;
+#else
     (void)x, (void)w, (void)act, (void)B, (void)K;
     return 0;
+#endif
 }
 
 #ifndef Q8_READS_X_F32
@@ -1566,7 +1609,7 @@ void q8_matmul_bf16(const uint16_t *x, const uint8_t *w, float *y, int64_t B, in
 {
 #if Q8_INT
     if (q4_x_bits && B >= (invariant ? 1 : qx_min_b)) { /* x as int16, whichever width q4 takes */
-        gemm_int(x, w, y, B, N, K, 16, 1);
+        gemm_int(x, w, y, B, N, K, 16, 1, 0);
         return;
     }
 #endif

@@ -188,8 +188,8 @@ class QuantMatmul:
 
     def q4_silu(self, x: torch.Tensor, packed: torch.Tensor, rows: int) -> torch.Tensor | None:
         """silu(gate) * up [B, rows / 2] bfloat16 for a gate/up projection `packed` of `rows`
-        rows (the gate's, then the up's), in one pass on the tiles: the bits of `q4` and then
-        silu_and_mul. None where this build or row count does not take the tiles."""
+        rows (the gate's, then the up's), in one pass on whichever path `q4` takes: its bits and
+        then silu_and_mul's. None in a build without AVX2 (plain C)."""
         x = x.contiguous()
         self._check("q4", Q4_BYTES, x, packed, rows)
         act = torch.empty(x.shape[0], rows // 2, dtype=torch.bfloat16)

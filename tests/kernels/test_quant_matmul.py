@@ -27,7 +27,6 @@ from servelm.model.layers.linear import Int4Weight, Linear, LogitsHead, Q8Weight
 from tests.kernels.variants import (
     INTEGER_PATHS,
     INTEGERS,
-    SILU_PASSES,
     TILES,
     flags,
     native,
@@ -359,26 +358,27 @@ def test_tiles_give_decode_rows_the_bits_of_prompt_rows(kernel, shape):
 def test_gate_up_with_silu_in_the_tile_stores_gives_the_two_kernels_bits(
     kernel, variant, batch, inter, cols
 ):
-    """q4_silu (the gate/up projection with silu_and_mul in its stores, on the tiles or the
-    AVX-512 BF16 vector passes) gives what q4 and then silu_and_mul give, bit for bit, at decode
-    and prompt row counts, an odd number of blocks a half included; a build with neither, or
-    taking x in integers, declines it (None)."""
+    """q4_silu (the gate/up projection with silu_and_mul in its stores, on whichever path q4
+    takes: the tiles, integer x or the vector passes) gives what q4 and then silu_and_mul give,
+    bit for bit, at decode and prompt row counts, an odd number of blocks a half included, with
+    x as the build takes it and, where it can, in int8; the plain C build declines it (None)."""
     ops = CpuOps.load(flags(variant))
     q, scale, low, _ = q4_weight(2 * inter, cols, seed=7)
     packed = QuantMatmul.pack_q4(q, scale, low)
     x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(3)).bfloat16()
     fused = kernel.q4_silu(x, packed, 2 * inter)
-    if not (on_tiles(kernel, batch) or variant in SILU_PASSES):
+    if variant == "c":
         assert fused is None
         return
-    if not on_tiles(kernel, batch) and variant in INTEGER_PATHS:
-        kernel.use_activations("int8")  # gemm_int: no fused form
-        try:
-            assert kernel.q4_silu(x, packed, 2 * inter) is None
-        finally:
-            kernel.use_activations("auto")
     assert fused is not None and fused.shape == (batch, inter)
     assert torch.equal(fused, ops.silu_and_mul(kernel.q4(x, packed, 2 * inter)))
+    if variant in INTEGER_PATHS:
+        kernel.use_activations("int8")
+        try:
+            fused = kernel.q4_silu(x, packed, 2 * inter)
+            assert torch.equal(fused, ops.silu_and_mul(kernel.q4(x, packed, 2 * inter)))
+        finally:
+            kernel.use_activations("auto")
 
 
 @pytest.mark.parametrize("batch", [1, 4, 9])

@@ -18,7 +18,6 @@ DECODE_VECTOR = {"avx2"}  # paged_decode's AVX2 path (AVX2 without AVX-512)
 PREFILL = {"amx": "AMX", "avx512": "AVX-512 BF16", "avx2": "AVX2"}  # paged_prefill's paths
 INTEGERS = {"avx512-nobf16", "avx2"}  # q4 and q8 take x in integers by default
 INTEGER_PATHS = INTEGERS | {"avx512"}  # ... or when asked (--int4-activations)
-SILU_PASSES = {"amx", "avx512"}  # q4_silu off the tiles too: the AVX-512 BF16 vector passes
 
 
 def params(names=None) -> list:
