@@ -53,6 +53,33 @@ INLINE int64_t first_key(int64_t pos, int64_t window)
     return window > 0 && pos >= window ? pos - window + 1 : 0;
 }
 
+/* The context of the decode token a thread takes next, asked for into L2 a slice at a time
+ * while it computes the one before: asked for all at once (context_to_l2), a token's memory
+ * time and its arithmetic ran one after the other; in slices, they overlap (the attention of a
+ * 16-token decode step 1.35-1.45x faster on the Zen 4: docs/performance.md, session 29). The
+ * next line of K and of V is at (t, b): 16 slots from t on (a block's, contiguous), b bytes in.
+ * Each thread claims its next item before it starts on the one it holds, so it knows which. */
+struct ahead {
+    const char *k, *v;
+    const int64_t *blocks;
+    int64_t block_size, ctx, row_bytes, t, b;
+};
+
+INLINE void ahead_step(struct ahead *a, int64_t lines)
+{
+    for (; lines > 0 && a->t < a->ctx; lines--) {
+        const int64_t at = slot_of(a->blocks, a->block_size, a->t) * a->row_bytes;
+        const int64_t rows = a->ctx - a->t < 16 ? a->ctx - a->t : 16;
+        __builtin_prefetch(a->k + at + a->b, 0, 2); /* (locality 2: into L2, prefetcht1) */
+        __builtin_prefetch(a->v + at + a->b, 0, 2);
+        a->b += 64;
+        if (a->b >= rows * a->row_bytes) {
+            a->b = 0;
+            a->t += 16;
+        }
+    }
+}
+
 /* Running maxima stay above this: a lane whose keys so far are all masked (outside its window)
  * then gets e^(-huge) = 0-ish factors, never inf - inf. */
 #define M_FLOOR -1e30f
@@ -176,32 +203,6 @@ INLINE void context_to_l2(const uint16_t *k_cache, const uint16_t *v_cache, cons
         for (int64_t b = 0; b < bytes; b += 64) {
             _mm_prefetch((const char *)k_cache + at + b, _MM_HINT_T1);
             _mm_prefetch((const char *)v_cache + at + b, _MM_HINT_T1);
-        }
-    }
-}
-
-/* The context of the decode token a thread takes next, asked for into L2 a slice at a time
- * while it computes the one before: asked for all at once (context_to_l2), a token's memory
- * time and its arithmetic ran one after the other; in slices, they overlap (the attention of a
- * 16-token decode step 1.35-1.45x faster on the Zen 4: docs/performance.md, session 29). The
- * next line of K and of V is at (t, b): 16 slots from t on (a block's, contiguous), b bytes in. */
-struct ahead {
-    const char *k, *v;
-    const int64_t *blocks;
-    int64_t block_size, ctx, row_bytes, t, b;
-};
-
-INLINE void ahead_step(struct ahead *a, int64_t lines)
-{
-    for (; lines > 0 && a->t < a->ctx; lines--) {
-        const int64_t at = slot_of(a->blocks, a->block_size, a->t) * a->row_bytes;
-        const int64_t rows = a->ctx - a->t < 16 ? a->ctx - a->t : 16;
-        _mm_prefetch(a->k + at + a->b, _MM_HINT_T1);
-        _mm_prefetch(a->v + at + a->b, _MM_HINT_T1);
-        a->b += 64;
-        if (a->b >= rows * a->row_bytes) {
-            a->b = 0;
-            a->t += 16;
         }
     }
 }
@@ -671,6 +672,17 @@ static void attend_few(const uint16_t *q, int64_t q_stride, const uint16_t *k_ca
  * bf16); the output is rounded once. */
 INLINE int64_t keys_padded(int64_t ctx) { return (ctx + 7) / 8 * 8; }
 
+/* The next chunk from *counter (shared by the threads) that is a decode token's, n * G <= 8 (one
+ * task a head), or num where none is left */
+INLINE int64_t claim_token(int64_t *counter, int64_t num, const int64_t *n, int64_t G)
+{
+    int64_t i;
+    do
+        i = __atomic_fetch_add(counter, 1, __ATOMIC_RELAXED);
+    while (i < num && n[i] * G > 8);
+    return i < num ? i : num;
+}
+
 /* 8 x 8 float32 transposed in place: r[j] lane i <- r[i] lane j */
 INLINE void transpose8(__m256 r[8])
 {
@@ -1067,6 +1079,48 @@ void paged_prefill_bf16_many(int64_t num, const uint16_t *const *q, const int64_
             item = following;
         }
         tiles_off();
+    }
+#elif defined(VECTOR_PREFILL)
+    /* Prompt chunks (more than one task a head) one at a time, each split between the threads
+     * by paged_prefill_bf16_win; then the decode tokens (one task a head: a token's G queries
+     * fit a task's 8 lanes) in one parallel region, a token to a thread, widened and attended
+     * as paged_prefill_bf16_win does it (so with its bits), the context of the thread's next
+     * token asked for meanwhile (struct ahead). Each token in a call of its own, its three
+     * tasks shared by two threads, took a 16-token decode step's attention 22 ms on the Zen 4
+     * with this build; docs/performance.md, session 29. */
+    int64_t claimed = 0; /* chunk indices handed out (claim_token) */
+    for (int64_t i = 0; i < num; i++)
+        if (n[i] * G > 8)
+            paged_prefill_bf16_win(q[i], q_stride, k_cache, v_cache, blocks[i], block_size, n[i],
+                                   ctx[i], Hq, Hkv, D, scale, 0, 0.f, out[i], out_stride,
+                                   (uint16_t *)(packed + at[i]));
+#pragma omp parallel
+    {
+        int64_t i = claim_token(&claimed, num, n, G);
+        while (i < num) {
+            const int64_t following = claim_token(&claimed, num, n, G), keys = keys_padded(ctx[i]);
+            float *kt = (float *)(packed + at[i]), *vf = kt + Hkv * keys * D;
+            struct ahead next = {0};
+            int64_t step = 0;
+            if (following < num) {
+                next = (struct ahead){(const char *)k_cache, (const char *)v_cache,
+                                      blocks[following], block_size, ctx[following], Hkv * D * 2,
+                                      0, 0};
+                step = ctx[following] * Hkv * D * 2 / 64 / (Hkv * keys / 8 + Hkv) + 1;
+            }
+            for (int64_t h = 0; h < Hkv; h++)
+                for (int64_t c = 0; c < keys / 8; c++) {
+                    widen_chunk(k_cache, v_cache, blocks[i], block_size, 0, ctx[i], Hkv, D, h, c,
+                                kt + h * keys * D, vf + h * keys * D);
+                    ahead_step(&next, step);
+                }
+            for (int64_t h = 0; h < Hkv; h++) {
+                ahead_step(&next, step);
+                attend_queries(q[i], q_stride, kt + h * keys * D, vf + h * keys * D, n[i], ctx[i],
+                               Hq, Hkv, D, h, 0, scale, 0, 0.f, out[i], out_stride);
+            }
+            i = following;
+        }
     }
 #else
     for (int64_t i = 0; i < num; i++)
