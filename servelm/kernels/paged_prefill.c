@@ -348,26 +348,33 @@ INLINE __m512bh pair_at(const uint16_t *p)
 }
 
 /* S^T [32 keys, 16 queries], as the tiles: for each key, its dims in pairs against Q^T's rows
- * of the same pairs. 16 keys' sums are 16 independent chains, enough to keep both vector
- * units busy; each Q^T row is loaded once for them. */
+ * of the same pairs. 8 keys at a time: 8 independent chains keep both vector units busy, and
+ * their 8 row pointers stay in registers (with 16, GCC kept some in vector registers and moved
+ * them back for every load; 8 at a time made the whole attention 1.04-1.06x faster on the Zen
+ * 4, docs/performance.md, session 29). */
 static void scores(const uint16_t *const k[2], int64_t row_bytes, int64_t D,
                    const uint16_t (*qt)[16 * 32], float *s)
 {
-    for (int half = 0; half < 2; half++) {
-        __m512 acc[16];
-        for (int key = 0; key < 16; key++)
-            acc[key] = _mm512_setzero_ps();
-        const char *rows = (const char *)k[half];
-        for (int64_t w = 0; rows && w < D / 2; w++) { /* dims 2w, 2w + 1 */
-            const __m512bh qw = (__m512bh)_mm512_load_si512(qt[w / 16] + (w % 16) * 32);
-#pragma GCC unroll 16
-            for (int key = 0; key < 16; key++)
-                acc[key] = _mm512_dpbf16_ps(
-                    acc[key], qw, pair_at((const uint16_t *)(rows + key * row_bytes) + 2 * w));
+    for (int half = 0; half < 2; half++)
+        for (int k0 = 0; k0 < 16 && k[half]; k0 += 8) {
+            const uint16_t *key_row[8];
+            __m512 acc[8];
+            for (int key = 0; key < 8; key++) {
+                key_row[key] = (const uint16_t *)((const char *)k[half] + (k0 + key) * row_bytes);
+                acc[key] = _mm512_setzero_ps();
+            }
+            for (int64_t w = 0; w < D / 2; w++) { /* dims 2w, 2w + 1 */
+                const __m512bh qw = (__m512bh)_mm512_load_si512(qt[w / 16] + (w % 16) * 32);
+#pragma GCC unroll 8
+                for (int key = 0; key < 8; key++)
+                    acc[key] = _mm512_dpbf16_ps(acc[key], qw, pair_at(key_row[key] + 2 * w));
+            }
+            for (int key = 0; key < 8; key++)
+                _mm512_store_ps(s + (half * 16 + k0 + key) * QT, acc[key]);
         }
-        for (int key = 0; key < 16; key++)
-            _mm512_store_ps(s + (half * 16 + key) * QT, acc[key]);
-    }
+    for (int half = 0; half < 2; half++) /* a half past the context: zeros, as the tiles give */
+        for (int key = 0; !k[half] && key < 16; key++)
+            _mm512_store_ps(s + (half * 16 + key) * QT, _mm512_setzero_ps());
 }
 
 /* O^T [D, 16 queries] += V^T . P^T, as the tiles: row d of O^T takes V^T's row d, 16 pairs of
@@ -378,11 +385,16 @@ static void values(const uint16_t *pt, const uint16_t *v, int64_t D, float *ot)
         __m512 acc[16];
         for (int d = 0; d < 16; d++)
             acc[d] = _mm512_load_ps(ot + (d0 + d) * QT);
-        for (int pair = 0; pair < KC / 2; pair++) {
+        const uint16_t *vd = v + d0 * KC; /* pair `pair` of its 16 rows, KC apart */
+        for (int pair = 0; pair < KC / 2; pair++, vd += 2) {
             const __m512bh p = (__m512bh)_mm512_load_si512(pt + pair * 32);
+            /* one pointer, the rows at fixed offsets from it: left to itself GCC made 16, kept
+             * some in vector registers and moved them back for every load (the attention
+             * 1.05-1.07x faster this way on the Zen 4, session 29) */
+            __asm__("" : "+r"(vd));
 #pragma GCC unroll 16
             for (int d = 0; d < 16; d++)
-                acc[d] = _mm512_dpbf16_ps(acc[d], p, pair_at(v + (d0 + d) * KC + 2 * pair));
+                acc[d] = _mm512_dpbf16_ps(acc[d], p, pair_at(vd + d * KC));
         }
         for (int d = 0; d < 16; d++)
             _mm512_store_ps(ot + (d0 + d) * QT, acc[d]);
