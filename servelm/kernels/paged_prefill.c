@@ -502,17 +502,19 @@ static void attend_tile(const uint16_t *q, int64_t q_stride, const uint16_t *k_c
     }
 
     /* Q^T as the second operand: row r of slab j holds dims (32j + 2r, +1) of each lane's
-     * query, that is, as 32-bit words, word 16j + r of each lane's row, gathered across them */
-    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    const __mmask16 real = (__mmask16)((1u << rows) - 1);
-    const __m512i row_words = _mm512_loadu_si512(q_at);
+     * query, that is, as 32-bit words, word 16j + r of each lane's row (zeros in padding
+     * lanes): 16 lanes' words of the slab loaded as rows and transposed (gathering them took
+     * more time than the rest of a short tile's setup; docs/performance.md, session 29) */
     const int *q_words = (const int *)q;
-    for (int64_t w = 0; w < D / 2; w++)
-        _mm512_store_si512(qt[w / 16] + (w % 16) * 32,
-                           _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), real,
-                                                       _mm512_add_epi32(row_words,
-                                                                        _mm512_set1_epi32(w)),
-                                                       q_words, 4));
+    for (int64_t j = 0; j < D / 32; j++) {
+        __m512i slab[16];
+        for (int r = 0; r < QT; r++)
+            slab[r] = r < rows ? _mm512_loadu_si512(q_words + q_at[r] + 16 * j)
+                               : _mm512_setzero_si512();
+        transpose16(slab);
+        for (int w = 0; w < 16; w++)
+            _mm512_store_si512(qt[j] + w * 32, slab[w]);
+    }
     const __m512i pos = _mm512_loadu_si512(pos_lanes), below = _mm512_loadu_si512(below_lanes);
     __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; d++)
@@ -548,14 +550,14 @@ static void attend_tile(const uint16_t *q, int64_t q_stride, const uint16_t *k_c
 
     __attribute__((aligned(64))) float inv_l[QT];
     _mm512_store_ps(inv_l, _mm512_div_ps(_mm512_set1_ps(1.f), l));
-    const __m512i dim_rows = _mm512_mullo_epi32(lane, _mm512_set1_epi32(QT));
-    for (int64_t i = 0; i < rows; i++) { /* lane i's row of O: column i of O^T */
-        uint16_t *row = out + out_at[i];
-        for (int64_t d = 0; d < D; d += 16) {
-            const __m512i at = _mm512_add_epi32(dim_rows, _mm512_set1_epi32((int)(d * QT + i)));
-            const __m512 o = _mm512_i32gather_ps(at, ot, 4);
-            store_bf16(row + d, _mm512_mul_ps(o, _mm512_set1_ps(inv_l[i])));
-        }
+    for (int64_t d = 0; d < D; d += 16) { /* lane i's row of O: column i of O^T */
+        __m512i dims[16];
+        for (int k = 0; k < 16; k++)
+            dims[k] = _mm512_load_si512(ot + (d + k) * QT);
+        transpose16(dims); /* dims[i]: dims d .. d + 15 of lane i */
+        for (int64_t i = 0; i < rows; i++)
+            store_bf16(out + out_at[i] + d,
+                       _mm512_mul_ps(_mm512_castsi512_ps(dims[i]), _mm512_set1_ps(inv_l[i])));
     }
 }
 
