@@ -809,14 +809,19 @@ static void attend_queries(const uint16_t *q, int64_t q_stride, const float *kt,
             /* s[i] lanes = the chunk's 8 keys, for query i; then transposed: lanes = queries */
             const int64_t c = c0 + gi;
             const float *k = kt + c * D * 8;
-            __m256 s[8];
+            /* the sums in an array of their own: summed in the array transpose8 takes, GCC
+             * stored every sum to the stack after each FMA (the attention 1.16-1.25x slower on
+             * the Zen 4 with this build; docs/performance.md, session 29) */
+            __m256 sums[8], s[8];
             for (int i = 0; i < 8; i++)
-                s[i] = _mm256_setzero_ps();
+                sums[i] = _mm256_setzero_ps();
             for (int64_t d = 0; d < D; d++) {
                 const __m256 kd = _mm256_loadu_ps(k + d * 8);
                 for (int i = 0; i < 8; i++)
-                    s[i] = _mm256_fmadd_ps(kd, _mm256_broadcast_ss(qs[i] + d), s[i]);
+                    sums[i] = _mm256_fmadd_ps(kd, _mm256_broadcast_ss(qs[i] + d), sums[i]);
             }
+            for (int i = 0; i < 8; i++)
+                s[i] = sums[i];
             transpose8(s);
             /* keys past a query's position, or before its window, masked (-inf) */
             for (int j = 0; j < 8; j++) {
