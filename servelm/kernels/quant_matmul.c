@@ -1377,9 +1377,6 @@ INLINE void int_tiles(const void *a, const float *d, const float *xs, const uint
     }
 }
 
-/* y [B, N] = x [B, K] W^T through x in integers of `bits` (q4; q8 takes 16 only): x is
- * quantized, then taken in chunks that stay in L2, each chunk's tiles of rows through every
- * block of W, the blocks split between the threads. */
 /* One tile of q4 (bits and q8 constants in each call, for the tile's inlining). */
 INLINE void q4_int_tile(const void *a, const float *d, const float *xs, const uint8_t *w, void *y,
                         int64_t N, int64_t K, int64_t rows, int bits)
@@ -1390,8 +1387,11 @@ INLINE void q4_int_tile(const void *a, const float *d, const float *xs, const ui
         int_tiles(a, d, xs, w, y, N, K, rows, 8, 0);
 }
 
-/* `silu` (q4 only, in a build with FUSED_SILU): W is a gate/up projection of N = 2I rows and y
- * is act [B, I], silu_and_mul of its halves, as run_silu does it. */
+/* y [B, N] = x [B, K] W^T through x in integers of `bits` (q4; q8 takes 16 only): x is
+ * quantized, then taken in chunks that stay in L2, each chunk's tiles of rows through every
+ * block of W, the blocks split between the threads. `silu` (q4 only, in a build with
+ * FUSED_SILU): W is a gate/up projection of N = 2I rows and y is act [B, I], silu_and_mul of
+ * its halves, as run_silu does it. */
 static void gemm_int(const uint16_t *x, const uint8_t *w, void *y, int64_t B, int64_t N,
                      int64_t K, int bits, int q8, int silu)
 {
