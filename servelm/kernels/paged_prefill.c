@@ -63,17 +63,20 @@ struct ahead {
     const char *k, *v;
     const int64_t *blocks;
     int64_t block_size, ctx, row_bytes, t, b;
+    int64_t at, bytes; /* slot t's offset and the bytes of its (up to) 16 rows, found at b = 0 */
 };
 
 INLINE void ahead_step(struct ahead *a, int64_t lines)
 {
     for (; lines > 0 && a->t < a->ctx; lines--) {
-        const int64_t at = slot_of(a->blocks, a->block_size, a->t) * a->row_bytes;
-        const int64_t rows = a->ctx - a->t < 16 ? a->ctx - a->t : 16;
-        __builtin_prefetch(a->k + at + a->b, 0, 2); /* (locality 2: into L2, prefetcht1) */
-        __builtin_prefetch(a->v + at + a->b, 0, 2);
+        if (a->b == 0) { /* (slot_of divides: once per 16 rows, not per line) */
+            a->at = slot_of(a->blocks, a->block_size, a->t) * a->row_bytes;
+            a->bytes = (a->ctx - a->t < 16 ? a->ctx - a->t : 16) * a->row_bytes;
+        }
+        __builtin_prefetch(a->k + a->at + a->b, 0, 2); /* (locality 2: into L2, prefetcht1) */
+        __builtin_prefetch(a->v + a->at + a->b, 0, 2);
         a->b += 64;
-        if (a->b >= rows * a->row_bytes) {
+        if (a->b >= a->bytes) {
             a->b = 0;
             a->t += 16;
         }
@@ -225,11 +228,10 @@ INLINE void prefetch_chunk(const uint16_t *cache, const int64_t *blocks, int64_t
 
 /* V^T of chunk c of KV head h: for each slab of 16 dims, 16 rows (dims) of 32 keys. Pairs of
  * keys are interleaved first (each 32-bit word then holds one dim of both), then the 16 x 16
- * words of the slab are transposed: row d holds dim d of the 16 pairs. `by_pairs` leaves out
- * the transpose (attend_few's layout): row r holds pair r's 16 dims. */
+ * words of the slab are transposed: row d holds dim d of the 16 pairs. */
 static void pack_v(const uint16_t *v_cache, const int64_t *blocks, int64_t block_size,
                    int64_t lo, int64_t ctx, int64_t Hkv, int64_t D, int64_t h, int64_t c,
-                   uint16_t *dst, int by_pairs)
+                   uint16_t *dst)
 {
     if (ATTN_PREFETCH && (c + ATTN_PREFETCH) * KC < ctx)
         prefetch_chunk(v_cache, blocks, block_size, lo, ctx, Hkv, D, h, c + ATTN_PREFETCH);
@@ -251,8 +253,7 @@ static void pack_v(const uint16_t *v_cache, const int64_t *blocks, int64_t block
             const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(va), vb, 1);
             words[r] = _mm512_permutexvar_epi16(pairs, ab);
         }
-        if (!by_pairs)
-            transpose16(words);
+        transpose16(words);
         for (int d = 0; d < 16; d++)
             _mm512_store_si512(dst + j * 16 * KC + d * KC, words[d]);
     }
@@ -562,76 +563,166 @@ static void attend_tile(const uint16_t *q, int64_t q_stride, const uint16_t *k_c
 }
 
 #ifdef VECTOR_TILES
-/* A tile with few real lanes (a decode token: its G query heads), computed as attend_tile
- * computes it, to the bit, with the products turned around: S with lanes = keys, one
- * vdpbf16ps per real lane, 16 keys and pair of dims (attend_tile: one per key, for 16 lanes),
- * then transposed to lanes = queries for the same softmax; O with lanes = dims, one per real
- * lane, 16 dims and pair of keys. Each lane's products and sums are the same operations in the
- * same order, only held in other vector lanes (test_paged_prefill.py's many-chunks test holds
- * a decode token to its numbers alone). vp: V packed by pairs (pack_v). No window or
- * soft-cap: the C layer loop's full attention only. */
-#define FEW_LANES 8 /* real lanes up to which a decode token's tile takes this path */
-static void attend_few(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
-                       const uint16_t *vp, const int64_t *blocks, int64_t block_size, int64_t n,
-                       int64_t ctx, int64_t Hq, int64_t Hkv, int64_t D, int64_t h, int64_t t0,
-                       float scale, uint16_t *out, int64_t out_stride)
+/* O += P V over one chunk for R lanes (R, NG constants at each call site): pairs of keys in
+ * order, as attend_tile sums them, each lane's 16-dim slabs as chains side by side (one chain
+ * at a time, as it was, waited on vdpbf16ps's latency). A pair's two V rows are interleaved
+ * here, 32 dims at a time, by in-lane unpacks: o holds each group of 32 dims as dims 0-3, 8-11,
+ * 16-19, 24-27 then 4-7, 12-15, 20-23, 28-31 (`unscramble` puts them back). NG groups a pass. */
+INLINE void chunk_values(float (*o)[256], const float *alpha, int rescale, const uint32_t *p_words,
+                         const uint16_t *const *vrow, int64_t D, const int R, const int NG)
 {
-    const int64_t G = Hq / Hkv, rows = n * G - t0 < FEW_LANES ? n * G - t0 : FEW_LANES;
-    const int64_t first_pos = ctx - n + t0 / G, last_pos = ctx - n + (t0 + rows - 1) / G;
-    const int64_t chunks = last_pos / KC + 1, row_bytes = Hkv * D * 2;
-    __attribute__((aligned(64))) float sc[KC * QT];  /* S^T of the chunk */
-    __attribute__((aligned(64))) uint16_t pt[16 * 32]; /* P^T, pairs of keys */
-    __attribute__((aligned(64))) float o[FEW_LANES][256], alpha_of[QT];
-    const int32_t *q_words[FEW_LANES];
-    int32_t pos_lanes[QT];
-    int64_t out_at[FEW_LANES];
-    for (int64_t r = 0; r < QT; r++) { /* padding lanes repeat the last real one */
-        const int64_t t = t0 + (r < rows ? r : rows - 1), i = t / G, head = h * G + t % G;
-        if (r < rows) {
-            q_words[r] = (const int32_t *)(q + i * q_stride + head * D);
-            out_at[r] = i * out_stride + head * D;
-            for (int64_t d = 0; d < D; d += 16)
-                _mm512_store_ps(o[r] + d, _mm512_setzero_ps());
+    for (int64_t g0 = 0; g0 < D / 32; g0 += NG) {
+        __m512 sum[8][4];
+        for (int r = 0; r < R; r++)
+            for (int s = 0; s < 2 * NG; s++) {
+                sum[r][s] = _mm512_load_ps(o[r] + 32 * g0 + 16 * s);
+                if (rescale)
+                    sum[r][s] = _mm512_mul_ps(sum[r][s], _mm512_set1_ps(alpha[r]));
+            }
+        for (int pair = 0; pair < KC / 2; pair++) {
+            __m512bh vp[4];
+            for (int g = 0; g < NG; g++) {
+                const __m512i a = _mm512_loadu_si512(vrow[2 * pair] + 32 * (g0 + g));
+                const __m512i b = _mm512_loadu_si512(vrow[2 * pair + 1] + 32 * (g0 + g));
+                vp[2 * g] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+                vp[2 * g + 1] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+            }
+            for (int r = 0; r < R; r++) {
+                const __m512bh p = (__m512bh)_mm512_set1_epi32((int)p_words[pair * 16 + r]);
+                for (int s = 0; s < 2 * NG; s++)
+                    sum[r][s] = _mm512_dpbf16_ps(sum[r][s], vp[s], p);
+            }
         }
-        pos_lanes[r] = (int32_t)(ctx - n + i);
+        for (int r = 0; r < R; r++)
+            for (int s = 0; s < 2 * NG; s++)
+                _mm512_store_ps(o[r] + 32 * g0 + 16 * s, sum[r][s]);
+    }
+}
+
+/* chunk_values for `rows` lanes: two 32-dim groups a pass up to 4 lanes (8 chains of 16
+ * dims a lane), one from 5 */
+static void chunk_values_rows(float (*o)[256], const float *alpha, int rescale,
+                              const uint32_t *p_words, const uint16_t *const *vrow, int64_t D,
+                              int64_t rows)
+{
+    const int wide = D % 64 == 0;
+    switch (rows) {
+#define ROWS_CASE(R)                                                                              \
+    case R:                                                                                       \
+        if (R <= 4 && wide)                                                                       \
+            chunk_values(o, alpha, rescale, p_words, vrow, D, R, 2);                              \
+        else                                                                                      \
+            chunk_values(o, alpha, rescale, p_words, vrow, D, R, 1);                              \
+        break;
+        ROWS_CASE(1)
+        ROWS_CASE(2)
+        ROWS_CASE(3)
+        ROWS_CASE(4)
+        ROWS_CASE(5)
+        ROWS_CASE(6)
+        ROWS_CASE(7)
+        ROWS_CASE(8)
+#undef ROWS_CASE
+    }
+}
+
+/* 16 dims of a 32-dim group of o, from chunk_values's order back to theirs: the first 16
+ * (second: 1) */
+INLINE __m512 unscramble(const float *group, int second)
+{
+    const __m512i first_idx =
+        _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i idx = _mm512_add_epi32(first_idx, _mm512_set1_epi32(second ? 8 : 0));
+    return _mm512_permutex2var_ps(_mm512_load_ps(group), idx, _mm512_load_ps(group + 16));
+}
+
+/* A decode token's tile (or a few tokens'), computed as attend_tile computes it, to the bit,
+ * with the products turned around, for KV heads h0 .. h0 + heads - 1 at once: lane L is pair
+ * t = L % (n G) of KV head h0 + L / (n G), so the softmax runs once for every head's lanes
+ * (a head's G alone left most of 16 lanes idle). S with lanes = keys, one vdpbf16ps per lane,
+ * 16 keys and pair of dims (attend_tile: one per key, for 16 lanes), then transposed to lanes
+ * = queries for the same softmax; O with lanes = dims (chunk_values), reading V's rows in
+ * place. Each lane's products and sums are the same operations in the same order, only held
+ * in other vector lanes (test_paged_prefill.py's many-chunks test holds a decode token to its
+ * numbers alone). `next`: the context to ask for meanwhile, `step` lines a chunk and head
+ * (struct ahead). No window or soft-cap: the C layer loop's full attention only. */
+#define FEW_LANES 8 /* a head's lanes (n G) up to which a decode token takes this path */
+static void attend_few(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
+                       const uint16_t *v_cache, const int64_t *blocks, int64_t block_size,
+                       int64_t n, int64_t ctx, int64_t Hq, int64_t Hkv, int64_t D, int64_t h0,
+                       int64_t heads, float scale, uint16_t *out, int64_t out_stride,
+                       struct ahead *next, int64_t step)
+{
+    static const uint16_t zeros[256] __attribute__((aligned(64))); /* V past ctx */
+    const int64_t G = Hq / Hkv, rows = n * G, lanes = heads * rows; /* rows: a head's lanes */
+    const int64_t last = lanes > 0 ? lanes - 1 : 0;
+    const int64_t first_pos = ctx - n, chunks = (ctx - 1) / KC + 1, row_bytes = Hkv * D * 2;
+    __attribute__((aligned(64))) float s_rows[QT][KC]; /* S, a lane's row of the chunk's keys */
+    __attribute__((aligned(64))) float sc[KC * QT];    /* S^T of the chunk */
+    __attribute__((aligned(64))) uint16_t pt[16 * 32]; /* P^T, pairs of keys */
+    __attribute__((aligned(64))) float o[QT][256], alpha_of[QT];
+    const int32_t *q_words[QT];
+    int32_t pos_lanes[QT];
+    int64_t out_at[QT];
+    for (int64_t L = 0; L < QT; L++) { /* padding lanes repeat the last real one */
+        const int64_t t = (L < lanes ? L : last) % rows, i = t / G;
+        const int64_t head = (h0 + (L < lanes ? L : last) / rows) * G + t % G;
+        if (L < lanes) {
+            q_words[L] = (const int32_t *)(q + i * q_stride + head * D);
+            out_at[L] = i * out_stride + head * D;
+            for (int64_t d = 0; d < D; d += 16)
+                _mm512_store_ps(o[L] + d, _mm512_setzero_ps());
+        }
+        pos_lanes[L] = (int32_t)(ctx - n + i);
     }
     const __m512i pos = _mm512_loadu_si512(pos_lanes);
     const __m512i below = _mm512_set1_epi32(-1); /* (no window) */
     __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();
     for (int64_t c = 0; c < chunks; c++) {
-        if (ATTN_PREFETCH && c + 1 + ATTN_PREFETCH < chunks)
-            prefetch_chunk(k_cache, blocks, block_size, 0, ctx, Hkv, D, h, c + 1 + ATTN_PREFETCH);
-        /* S: acc[half][lane], lanes = the half's 16 keys; both halves' chains side by side */
-        const char *k[2] = {NULL, NULL};
-        for (int half = 0; half < 2; half++) {
-            const int64_t t0k = c * KC + half * 16;
-            if (t0k < ctx)
-                k[half] = (const char *)(k_cache +
-                                         (slot_of(blocks, block_size, t0k) * Hkv + h) * D);
+        for (int64_t h = h0; ATTN_PREFETCH && h < h0 + heads; h++) {
+            if (c + 1 + ATTN_PREFETCH < chunks)
+                prefetch_chunk(k_cache, blocks, block_size, 0, ctx, Hkv, D, h,
+                               c + 1 + ATTN_PREFETCH);
+            if (c + ATTN_PREFETCH < chunks)
+                prefetch_chunk(v_cache, blocks, block_size, 0, ctx, Hkv, D, h, c + ATTN_PREFETCH);
         }
-        const int halves = k[1] ? 2 : 1; /* (the first is always read: c * KC < ctx) */
-        __m512 acc[2][FEW_LANES];
+        ahead_step(next, step * heads);
+        int64_t at[2] = {0, 0}; /* each half's first slot's row of head 0 (16 keys: a block's) */
         for (int half = 0; half < 2; half++)
-            for (int r = 0; r < FEW_LANES; r++)
-                acc[half][r] = _mm512_setzero_ps();
-        for (int64_t j = 0; j < D / 32; j++) { /* 16 words (32 dims) of each key at a time */
-            __m512i kw[2][16];
-            for (int half = 0; half < halves; half++) {
-                for (int key = 0; key < 16; key++)
-                    kw[half][key] = _mm512_loadu_si512(k[half] + key * row_bytes + 64 * j);
-                transpose16(kw[half]); /* kw[half][w]: word 16j + w of the 16 keys */
-            }
-            for (int w = 0; w < 16; w++)
-                for (int r = 0; r < rows; r++) {
-                    const __m512bh qw = (__m512bh)_mm512_set1_epi32(q_words[r][16 * j + w]);
-                    for (int half = 0; half < halves; half++)
-                        acc[half][r] = _mm512_dpbf16_ps(acc[half][r], (__m512bh)kw[half][w], qw);
+            if (c * KC + half * 16 < ctx)
+                at[half] = slot_of(blocks, block_size, c * KC + half * 16) * Hkv * D;
+        const int halves = c * KC + 16 < ctx ? 2 : 1; /* (the first is always read) */
+        /* S: acc[half][row], lanes = the half's 16 keys; both halves' chains side by side */
+        for (int64_t hl = 0; hl < heads; hl++) {
+            __m512 acc[2][FEW_LANES];
+            for (int half = 0; half < 2; half++)
+                for (int r = 0; r < FEW_LANES; r++)
+                    acc[half][r] = _mm512_setzero_ps();
+            for (int64_t j = 0; j < D / 32; j++) { /* 16 words (32 dims) of each key at a time */
+                __m512i kw[2][16];
+                for (int half = 0; half < halves; half++) {
+                    const char *k = (const char *)(k_cache + at[half] + (h0 + hl) * D);
+                    for (int key = 0; key < 16; key++)
+                        kw[half][key] = _mm512_loadu_si512(k + key * row_bytes + 64 * j);
+                    transpose16(kw[half]); /* kw[half][w]: word 16j + w of the 16 keys */
                 }
+                for (int w = 0; w < 16; w++)
+                    for (int r = 0; r < rows; r++) {
+                        const __m512bh qw =
+                            (__m512bh)_mm512_set1_epi32(q_words[hl * rows + r][16 * j + w]);
+                        for (int half = 0; half < halves; half++)
+                            acc[half][r] =
+                                _mm512_dpbf16_ps(acc[half][r], (__m512bh)kw[half][w], qw);
+                    }
+            }
+            for (int r = 0; r < rows; r++)
+                for (int half = 0; half < 2; half++)
+                    _mm512_store_ps(s_rows[hl * rows + r] + 16 * half, acc[half][r]);
         }
         for (int half = 0; half < 2; half++) { /* to lanes = queries: S^T */
             __m512i st[16];
-            for (int r = 0; r < 16; r++)
-                st[r] = _mm512_castps_si512(acc[half][r < rows ? r : rows - 1]);
+            for (int L = 0; L < 16; L++)
+                st[L] = _mm512_load_si512(s_rows[L < lanes ? L : last] + 16 * half);
             transpose16(st);
             for (int key = 0; key < 16; key++)
                 _mm512_store_si512(sc + (half * 16 + key) * QT, st[key]);
@@ -640,27 +731,24 @@ static void attend_few(const uint16_t *q, int64_t q_stride, const uint16_t *k_ca
             softmax_chunk(sc, c, first_pos, pos, below, scale, 0, 0.f, &m, &l, pt);
         _mm512_store_ps(alpha_of, alpha);
         const int rescale = _mm512_cmp_ps_mask(alpha, _mm512_set1_ps(1.f), _CMP_NEQ_UQ) != 0;
-        /* O += P V: lane r's row, 16 dims at a time, pairs of keys in order */
-        const uint16_t *v = vp + (h * ((ctx + KC - 1) / KC) + c) * D * KC;
-        const uint32_t *p_words = (const uint32_t *)pt;
-        for (int r = 0; r < rows; r++)
-            for (int64_t j = 0; j < D / 16; j++) {
-                __m512 sum = _mm512_load_ps(o[r] + 16 * j);
-                if (rescale)
-                    sum = _mm512_mul_ps(sum, _mm512_set1_ps(alpha_of[r]));
-                for (int pair = 0; pair < KC / 2; pair++)
-                    sum = _mm512_dpbf16_ps(
-                        sum, (__m512bh)_mm512_load_si512(v + j * 16 * KC + pair * KC),
-                        (__m512bh)_mm512_set1_epi32((int)p_words[pair * 16 + r]));
-                _mm512_store_ps(o[r] + 16 * j, sum);
+        for (int64_t hl = 0; hl < heads; hl++) {
+            const uint16_t *vrow[KC];
+            for (int key = 0; key < KC; key++) {
+                const int64_t t = c * KC + key;
+                vrow[key] = t < ctx ? v_cache + at[key / 16] + (h0 + hl) * D + key % 16 * Hkv * D
+                                    : zeros;
             }
+            chunk_values_rows(o + hl * rows, alpha_of + hl * rows, rescale,
+                              (const uint32_t *)pt + hl * rows, vrow, D, rows);
+        }
     }
     __attribute__((aligned(64))) float inv_l[QT];
     _mm512_store_ps(inv_l, _mm512_div_ps(_mm512_set1_ps(1.f), l));
-    for (int r = 0; r < rows; r++)
+    for (int L = 0; L < lanes; L++)
         for (int64_t d = 0; d < D; d += 16)
-            store_bf16(out + out_at[r] + d,
-                       _mm512_mul_ps(_mm512_load_ps(o[r] + d), _mm512_set1_ps(inv_l[r])));
+            store_bf16(out + out_at[L] + d,
+                       _mm512_mul_ps(unscramble(o[L] + d / 32 * 32, d % 32 != 0),
+                                     _mm512_set1_ps(inv_l[L])));
 }
 #endif
 
@@ -928,7 +1016,7 @@ void paged_prefill_bf16_win(const uint16_t *q, int64_t q_stride, const uint16_t 
         for (int64_t hc = 0; hc < Hkv * packed; hc++) {
             const int64_t h = hc / packed, c = skip + hc % packed;
             pack_v(v_cache, blocks, block_size, first_key(ctx - n, window), ctx, Hkv, D, h, c,
-                   scratch + (h * chunks + c) * D * KC, 0);
+                   scratch + (h * chunks + c) * D * KC);
         }
         tiles_on();
         /* the last query tiles see the most keys: hand them out first */
@@ -1035,7 +1123,7 @@ void paged_prefill_bf16_many(int64_t num, const uint16_t *const *q, const int64_
                     i--;
                 const int64_t chunks = (ctx[i] + KC - 1) / KC, hc = item - packs[i];
                 pack_v(v_cache, blocks[i], block_size, 0, ctx[i], Hkv, D, hc / chunks,
-                       hc % chunks, (uint16_t *)(packed + at[i]) + hc * D * KC, 0);
+                       hc % chunks, (uint16_t *)(packed + at[i]) + hc * D * KC);
             }
         }
         tiles_on();
@@ -1067,27 +1155,34 @@ void paged_prefill_bf16_many(int64_t num, const uint16_t *const *q, const int64_
                 while (j < num && following >= tiles[j + 1])
                     j++;
                 if (following < tiles[num] && tiles[j + 1] - tiles[j] == 1) {
-                    next = (struct ahead){(const char *)k_cache, (const char *)v_cache,
-                                          blocks[j], block_size, ctx[j], Hkv * D * 2, 0, 0};
+                    next = (struct ahead){.k = (const char *)k_cache,
+                                          .v = (const char *)v_cache, .blocks = blocks[j],
+                                          .block_size = block_size, .ctx = ctx[j],
+                                          .row_bytes = Hkv * D * 2};
                     step = ctx[j] * Hkv * D * 2 / 64 / (chunks * Hkv + Hkv) + 1;
                     asked = following;
                 }
-                for (int64_t c = 0; c < chunks; c++)
-                    for (int64_t h = 0; h < Hkv; h++) {
-                        pack_v(v_cache, blocks[i], block_size, 0, ctx[i], Hkv, D, h, c,
-                               vt + (h * chunks + c) * D * KC, few);
-                        ahead_step(&next, step);
-                    }
-                for (int64_t h = 0; h < Hkv; h++) {
-                    ahead_step(&next, step);
+                if (!few) /* (attend_few reads V in place) */
+                    for (int64_t c = 0; c < chunks; c++)
+                        for (int64_t h = 0; h < Hkv; h++) {
+                            pack_v(v_cache, blocks[i], block_size, 0, ctx[i], Hkv, D, h, c,
+                                   vt + (h * chunks + c) * D * KC);
+                            ahead_step(&next, step);
+                        }
 #ifdef VECTOR_TILES
-                    if (few)
-                        attend_few(q[i], q_stride, k_cache, vt, blocks[i], block_size, n[i],
-                                   ctx[i], Hq, Hkv, D, h, 0, scale, out[i], out_stride);
-                    else
+                /* as many KV heads a call as their lanes fill one tile */
+                for (int64_t h0 = 0, per = QT / (n[i] * G); few && h0 < Hkv; h0 += per) {
+                    const int64_t heads = Hkv - h0 < per ? Hkv - h0 : per;
+                    ahead_step(&next, step * heads);
+                    attend_few(q[i], q_stride, k_cache, v_cache, blocks[i], block_size, n[i],
+                               ctx[i], Hq, Hkv, D, h0, heads, scale, out[i], out_stride, &next,
+                               step);
+                }
 #endif
-                        attend_tile(q[i], q_stride, k_cache, vt, blocks[i], block_size, n[i],
-                                    ctx[i], Hq, Hkv, D, h, 0, scale, 0, 0.f, out[i], out_stride);
+                for (int64_t h = 0; h < Hkv && !few; h++) {
+                    ahead_step(&next, step);
+                    attend_tile(q[i], q_stride, k_cache, vt, blocks[i], block_size, n[i], ctx[i],
+                                Hq, Hkv, D, h, 0, scale, 0, 0.f, out[i], out_stride);
                 }
             } else {
                 const int64_t own = item - tiles[i], count = (tiles[i + 1] - tiles[i]) / Hkv;
@@ -1122,9 +1217,9 @@ void paged_prefill_bf16_many(int64_t num, const uint16_t *const *q, const int64_
             struct ahead next = {0};
             int64_t step = 0;
             if (following < num) {
-                next = (struct ahead){(const char *)k_cache, (const char *)v_cache,
-                                      blocks[following], block_size, ctx[following], Hkv * D * 2,
-                                      0, 0};
+                next = (struct ahead){.k = (const char *)k_cache, .v = (const char *)v_cache,
+                                      .blocks = blocks[following], .block_size = block_size,
+                                      .ctx = ctx[following], .row_bytes = Hkv * D * 2};
                 step = ctx[following] * Hkv * D * 2 / 64 / (Hkv * keys / 8 + Hkv) + 1;
             }
             for (int64_t h = 0; h < Hkv; h++)

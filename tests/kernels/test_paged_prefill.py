@@ -115,7 +115,7 @@ def many_chunks(kernel, chunks, seed, d=64, hq=9, hkv=3):
 
 
 @with_the_kernel
-@pytest.mark.parametrize("d,hq,hkv", [(64, 9, 3), (128, 8, 2), (64, 4, 4), (32, 32, 1)])
+@pytest.mark.parametrize("d,hq,hkv", [(64, 9, 3), (128, 8, 2), (64, 4, 4), (32, 32, 1), (32, 6, 3)])
 def test_many_chunks_in_one_call_give_each_chunks_own_result_bit_for_bit(variant, d, hq, hkv):
     # paged_prefill_bf16_many (the C layer loop's call): decode tokens and short chunks (one
     # tile a head: packed and attended in one item; with AVX-512 BF16 vectors, up to 8 lanes,
