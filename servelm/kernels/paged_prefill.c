@@ -857,6 +857,63 @@ INLINE __m256 sees_window(__m256i past, __m256i below, int64_t t)
         _mm256_and_si256(_mm256_cmpgt_epi32(past, key), _mm256_cmpgt_epi32(key, below)));
 }
 
+/* out[c][i] = the scores of chunk c's 8 keys (K^T at k, chunk after chunk) for query i (qs[i],
+ * scaled) of R real ones, the padding lanes' the last real one's; C chunks (R, C constants at
+ * each call site). Each sum is one chain of FMAs over the dims, in order (batch invariance);
+ * with few queries (a decode token's G), C chunks' chains side by side keep the FMA units busy
+ * where R chains alone waited on their latency. (The sums in an array of their own: summed in
+ * the array transpose8 takes, GCC stored every sum to the stack after each FMA, the attention
+ * 1.16-1.25x slower on the Zen 4 with this build; docs/performance.md, session 29.) */
+INLINE void chunk_sums(const float *k, const float (*qs)[256], int64_t D, const int R,
+                       const int C, __m256 out[][8])
+{
+    __m256 sums[4][8];
+    for (int c = 0; c < C; c++)
+        for (int i = 0; i < R; i++)
+            sums[c][i] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d++) {
+        __m256 kd[4];
+        for (int c = 0; c < C; c++)
+            kd[c] = _mm256_loadu_ps(k + (c * D + d) * 8);
+        for (int i = 0; i < R; i++) {
+            const __m256 qd = _mm256_broadcast_ss(qs[i] + d);
+            for (int c = 0; c < C; c++)
+                sums[c][i] = _mm256_fmadd_ps(kd[c], qd, sums[c][i]);
+        }
+    }
+    for (int c = 0; c < C; c++)
+        for (int i = 0; i < 8; i++)
+            out[c][i] = sums[c][i < R ? i : R - 1];
+}
+
+/* The scores of `groups` chunks from k for `rows` real queries: chunk_sums, as many chunks at a
+ * time as make 6-8 chains */
+static void group_sums(const float *k, const float (*qs)[256], int64_t D, int64_t rows,
+                       int groups, __m256 out[KEY_GROUPS][8])
+{
+    int c = 0;
+    switch (rows) {
+    case 1:
+        for (; c + 4 <= groups; c += 4)
+            chunk_sums(k + c * D * 8, qs, D, 1, 4, out + c);
+        break;
+    case 2:
+        for (; c + 4 <= groups; c += 4)
+            chunk_sums(k + c * D * 8, qs, D, 2, 4, out + c);
+        break;
+    case 3:
+        for (; c + 2 <= groups; c += 2)
+            chunk_sums(k + c * D * 8, qs, D, 3, 2, out + c);
+        break;
+    case 4:
+        for (; c + 2 <= groups; c += 2)
+            chunk_sums(k + c * D * 8, qs, D, 4, 2, out + c);
+        break;
+    }
+    for (; c < groups; c++) /* (8 real rows, or the rest) */
+        chunk_sums(k + c * D * 8, qs, D, 8, 1, out + c);
+}
+
 /* 8 lanes of KV head h over its widened context: lane r is pair t0 + r of (query i, head j of
  * the group), t = i * G + j, as on the tiles above (each lane's arithmetic its own). */
 static void attend_queries(const uint16_t *q, int64_t q_stride, const float *kt, const float *vf,
@@ -892,24 +949,12 @@ static void attend_queries(const uint16_t *q, int64_t q_stride, const float *kt,
         /* all but the last groups of keys lie at or before every query, and (no window) after
          * none's first key: no masking there */
         const int all_see = 8 * (c0 + groups) - 1 <= first_pos && window <= 0;
-        __m256 top = _mm256_set1_ps(-INFINITY);
+        __m256 top = _mm256_set1_ps(-INFINITY), s_all[KEY_GROUPS][8];
+        group_sums(kt + c0 * D * 8, qs, D, rows, groups, s_all);
         for (int gi = 0; gi < groups; gi++) {
             /* s[i] lanes = the chunk's 8 keys, for query i; then transposed: lanes = queries */
             const int64_t c = c0 + gi;
-            const float *k = kt + c * D * 8;
-            /* the sums in an array of their own: summed in the array transpose8 takes, GCC
-             * stored every sum to the stack after each FMA (the attention 1.16-1.25x slower on
-             * the Zen 4 with this build; docs/performance.md, session 29) */
-            __m256 sums[8], s[8];
-            for (int i = 0; i < 8; i++)
-                sums[i] = _mm256_setzero_ps();
-            for (int64_t d = 0; d < D; d++) {
-                const __m256 kd = _mm256_loadu_ps(k + d * 8);
-                for (int i = 0; i < 8; i++)
-                    sums[i] = _mm256_fmadd_ps(kd, _mm256_broadcast_ss(qs[i] + d), sums[i]);
-            }
-            for (int i = 0; i < 8; i++)
-                s[i] = sums[i];
+            __m256 *s = s_all[gi];
             transpose8(s);
             /* keys past a query's position, or before its window, masked (-inf) */
             for (int j = 0; j < 8; j++) {
@@ -937,9 +982,10 @@ static void attend_queries(const uint16_t *q, int64_t q_stride, const float *kt,
         }
         l = _mm256_fmadd_ps(l, a, sum);
         _mm256_store_ps(alpha, a);
-        /* O_i = alpha_i O_i + sum_key P^T[key][i] V[key], two queries and 32 dims at a time */
+        /* O_i = alpha_i O_i + sum_key P^T[key][i] V[key], two queries and 32 dims at a time
+         * (the real ones: a padding lane's O is never stored) */
         const float *v = vf + 8 * c0 * D;
-        for (int i = 0; i < 8; i += 2)
+        for (int i = 0; i < rows; i += 2)
             for (int64_t d = 0; d < D; d += 32) {
                 __m256 acc[2][4];
                 for (int r = 0; r < 2; r++)
