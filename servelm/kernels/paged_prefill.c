@@ -893,22 +893,16 @@ static void group_sums(const float *k, const float (*qs)[256], int64_t D, int64_
 {
     int c = 0;
     switch (rows) {
-    case 1:
-        for (; c + 4 <= groups; c += 4)
-            chunk_sums(k + c * D * 8, qs, D, 1, 4, out + c);
+#define SUMS_CASE(R, C)                                                                           \
+    case R:                                                                                       \
+        for (; c + C <= groups; c += C)                                                           \
+            chunk_sums(k + c * D * 8, qs, D, R, C, out + c);                                      \
         break;
-    case 2:
-        for (; c + 4 <= groups; c += 4)
-            chunk_sums(k + c * D * 8, qs, D, 2, 4, out + c);
-        break;
-    case 3:
-        for (; c + 2 <= groups; c += 2)
-            chunk_sums(k + c * D * 8, qs, D, 3, 2, out + c);
-        break;
-    case 4:
-        for (; c + 2 <= groups; c += 2)
-            chunk_sums(k + c * D * 8, qs, D, 4, 2, out + c);
-        break;
+        SUMS_CASE(1, 4)
+        SUMS_CASE(2, 4)
+        SUMS_CASE(3, 2)
+        SUMS_CASE(4, 2)
+#undef SUMS_CASE
     }
     for (; c < groups; c++) /* (8 real rows, or the rest) */
         chunk_sums(k + c * D * 8, qs, D, 8, 1, out + c);
@@ -1014,7 +1008,8 @@ static void attend_queries(const uint16_t *q, int64_t q_stride, const float *kt,
     for (int64_t i = 0; i < rows; i++) {
         uint16_t *row = out + out_at[i];
         for (int64_t d = 0; d < D; d += 8)
-            store_bf16_8(row + d, _mm256_mul_ps(_mm256_loadu_ps(o[i] + d), _mm256_set1_ps(inv_l[i])));
+            store_bf16_8(row + d,
+                         _mm256_mul_ps(_mm256_loadu_ps(o[i] + d), _mm256_set1_ps(inv_l[i])));
     }
 }
 
