@@ -1115,13 +1115,13 @@ void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_c
  * session 24). Here every chunk's packing, then every chunk's tiles, are one pool of items for
  * the threads; each (chunk, head, tile) is computed by the same code as alone, so a token's
  * numbers do not change. A chunk with one tile a head (a decode token: its G query heads fill
- * a tile's lanes) packs its V and attends in one item, all its heads in turn: its V^T is still
- * in cache when the tiles read it, one thread reads all of each slot's K and V rows (the heads'
- * rows lie side by side), and a step of such chunks alone has no barrier between packing and
- * attending (docs/performance.md, session 25). Chunk i: its queries q[i] (rows q_stride apart),
- * n[i] of them, the last of a context of ctx[i] tokens in blocks[i]; output to out[i]. Full
- * attention, no soft-capping. The packed V of every chunk lives in a buffer kept between the
- * calling thread's calls. */
+ * a tile's lanes) is one item, all its heads in turn (packing its V first where it takes
+ * attend_tile; attend_few reads V in place, its heads together): one thread reads all of each
+ * slot's K and V rows (the heads' rows lie side by side), and a step of such chunks alone has
+ * no barrier between packing and attending (docs/performance.md, sessions 25 and 30). Chunk i:
+ * its queries q[i] (rows q_stride apart), n[i] of them, the last of a context of ctx[i] tokens
+ * in blocks[i]; output to out[i]. Full attention, no soft-capping. The packed V of every chunk
+ * lives in a buffer kept between the calling thread's calls. */
 void paged_prefill_bf16_many(int64_t num, const uint16_t *const *q, const int64_t *const *blocks,
                              const int64_t *n, const int64_t *ctx, uint16_t *const *out,
                              int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
