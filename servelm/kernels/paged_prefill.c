@@ -644,8 +644,10 @@ INLINE __m512 unscramble(const float *group, int second)
  * = queries for the same softmax; O with lanes = dims (chunk_values), reading V's rows in
  * place. Each lane's products and sums are the same operations in the same order, only held
  * in other vector lanes (test_paged_prefill.py's many-chunks test holds a decode token to its
- * numbers alone). `next`: the context to ask for meanwhile, `step` lines a chunk and head
- * (struct ahead). No window or soft-cap: the C layer loop's full attention only. */
+ * numbers alone). Against packing V and one head a tile: a 16-token decode step's attention in
+ * cache 1.7x faster on the Zen 4 (docs/performance.md, session 30). `next`: the context to ask
+ * for meanwhile, `step` lines a chunk and head (struct ahead). No window or soft-cap: the C
+ * layer loop's full attention only. */
 #define FEW_LANES 8 /* a head's lanes (n G) up to which a decode token takes this path */
 static void attend_few(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
                        const uint16_t *v_cache, const int64_t *blocks, int64_t block_size,
@@ -861,9 +863,10 @@ INLINE __m256 sees_window(__m256i past, __m256i below, int64_t t)
  * scaled) of R real ones, the padding lanes' the last real one's; C chunks (R, C constants at
  * each call site). Each sum is one chain of FMAs over the dims, in order (batch invariance);
  * with few queries (a decode token's G), C chunks' chains side by side keep the FMA units busy
- * where R chains alone waited on their latency. (The sums in an array of their own: summed in
- * the array transpose8 takes, GCC stored every sum to the stack after each FMA, the attention
- * 1.16-1.25x slower on the Zen 4 with this build; docs/performance.md, session 29.) */
+ * where R chains alone waited on their latency (a decode step's attention 1.2x faster with this
+ * build on the Zen 4; docs/performance.md, session 30). (The sums in an array of their own:
+ * summed in the array transpose8 takes, GCC stored every sum to the stack after each FMA, the
+ * attention 1.16-1.25x slower on the Zen 4 with this build; docs/performance.md, session 29.) */
 INLINE void chunk_sums(const float *k, const float (*qs)[256], int64_t D, const int R,
                        const int C, __m256 out[][8])
 {
