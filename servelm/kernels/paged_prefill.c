@@ -681,13 +681,8 @@ static void attend_few(const uint16_t *q, int64_t q_stride, const uint16_t *k_ca
     const __m512i below = _mm512_set1_epi32(-1); /* (no window) */
     __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();
     for (int64_t c = 0; c < chunks; c++) {
-        for (int64_t h = h0; ATTN_PREFETCH && h < h0 + heads; h++) {
-            if (c + 1 + ATTN_PREFETCH < chunks)
-                prefetch_chunk(k_cache, blocks, block_size, 0, ctx, Hkv, D, h,
-                               c + 1 + ATTN_PREFETCH);
-            if (c + ATTN_PREFETCH < chunks)
-                prefetch_chunk(v_cache, blocks, block_size, 0, ctx, Hkv, D, h, c + ATTN_PREFETCH);
-        }
+        /* (no chunk-ahead prefetch into L1 here: with `next` asking for the following token's
+         * context, it made no difference; docs/performance.md, session 30) */
         ahead_step(next, step * heads);
         int64_t at[2] = {0, 0}; /* each half's first slot's row of head 0 (16 keys: a block's) */
         for (int half = 0; half < 2; half++)
@@ -1018,6 +1013,18 @@ static void attend_queries(const uint16_t *q, int64_t q_stride, const float *kt,
 
 #endif
 
+/* Whether a chunk of n new tokens (G query heads a KV head) takes attend_few, which reads V in
+ * place: it needs no packed V, so no scratch */
+INLINE int takes_few(int64_t n, int64_t G)
+{
+#ifdef VECTOR_TILES
+    return n * G <= FEW_LANES;
+#else
+    (void)n, (void)G;
+    return 0;
+#endif
+}
+
 /* Bytes of scratch a call needs: its packed V (tiles), or its widened K and V (vectors). */
 int64_t paged_prefill_scratch_bytes(int64_t ctx, int64_t Hkv, int64_t D)
 {
@@ -1143,7 +1150,7 @@ void paged_prefill_bf16_many(int64_t num, const uint16_t *const *q, const int64_
     at[0] = packs[0] = tiles[0] = 0;
     for (int64_t i = 0; i < num; i++) {
         const int64_t per_head = (n[i] * G + QT - 1) / QT;
-        at[i + 1] = at[i] + paged_prefill_scratch_bytes(ctx[i], Hkv, D);
+        at[i + 1] = at[i] + (takes_few(n[i], G) ? 0 : paged_prefill_scratch_bytes(ctx[i], Hkv, D));
         packs[i + 1] = packs[i] + (per_head > 1 ? Hkv * ((ctx[i] + KC - 1) / KC) : 0);
         tiles[i + 1] = tiles[i] + (per_head > 1 ? Hkv * per_head : 1);
     }
@@ -1185,11 +1192,7 @@ void paged_prefill_bf16_many(int64_t num, const uint16_t *const *q, const int64_
             uint16_t *vt = (uint16_t *)(packed + at[i]);
             if (tiles[i + 1] - tiles[i] == 1) { /* one tile a head: V^T, then the tiles */
                 const int64_t chunks = (ctx[i] + KC - 1) / KC;
-#ifdef VECTOR_TILES
-                const int few = n[i] * G <= FEW_LANES;
-#else
-                const int few = 0;
-#endif
+                const int few = takes_few(n[i], G);
                 if (CONTEXT_TO_L2 && item != asked)
                     context_to_l2(k_cache, v_cache, blocks[i], block_size, ctx[i], Hkv * D * 2);
                 /* the following item's context, if it is a decode token's too, spread over
