@@ -885,7 +885,7 @@ INLINE void chunk_sums(const float *k, const float (*qs)[256], int64_t D, const 
 }
 
 /* The scores of `groups` chunks from k for `rows` real queries: chunk_sums, as many chunks at a
- * time as make 6-8 chains */
+ * time as make 6-8 chains, then one at a time; from 5 real queries, all 8 lanes */
 static void group_sums(const float *k, const float (*qs)[256], int64_t D, int64_t rows,
                        int groups, __m256 out[KEY_GROUPS][8])
 {
@@ -895,15 +895,18 @@ static void group_sums(const float *k, const float (*qs)[256], int64_t D, int64_
     case R:                                                                                       \
         for (; c + C <= groups; c += C)                                                           \
             chunk_sums(k + c * D * 8, qs, D, R, C, out + c);                                      \
+        for (; c < groups; c++)                                                                   \
+            chunk_sums(k + c * D * 8, qs, D, R, 1, out + c);                                      \
         break;
         SUMS_CASE(1, 4)
         SUMS_CASE(2, 4)
         SUMS_CASE(3, 2)
         SUMS_CASE(4, 2)
 #undef SUMS_CASE
+    default: /* (5-8) */
+        for (; c < groups; c++)
+            chunk_sums(k + c * D * 8, qs, D, 8, 1, out + c);
     }
-    for (; c < groups; c++) /* (8 real rows, or the rest) */
-        chunk_sums(k + c * D * 8, qs, D, 8, 1, out + c);
 }
 
 /* 8 lanes of KV head h over its widened context: lane r is pair t0 + r of (query i, head j of
