@@ -5,14 +5,15 @@ whose K and V pools are separate (so that each layer's context comes from memory
 step), blocks scattered over each pool.
 
     .venv/bin/python benchmarks/decode_attention.py [--context 320] [--rounds 9]
-        [--contiguous] [--variant avx2] [--b-source OTHER/paged_prefill.c]
+        [--contiguous] [--variant avx2] [--b-source OTHER/paged_prefill.c] [--b-variant avx2]
 
 Prints, per step of 30 layers (best and median of the rounds, sides alternating):
   attention   the kernel as this checkout builds it (`--variant`: another build's flags)
   in cache    the same, every layer over the first layer's pools (so they stay in cache)
   read only   each context's K and V lines read in block order, nothing computed
               (`context_read.c`): the memory bound
-and, with `--b-source`, that file's kernel beside it (same flags), with its outputs compared.
+and, with `--b-source`, that file's kernel beside it (same flags), or with `--b-variant` this
+file's kernel in another build, with its outputs compared.
 The contexts are `--context` tokens less 8 per sequence (320 .. 200 by default).
 """
 
@@ -47,8 +48,9 @@ def main() -> None:
     ap.add_argument("--contiguous", action="store_true", help="each sequence's blocks in order")
     ap.add_argument("--variant", default=None, help="a kernel variant's flags (avx2, ...)")
     ap.add_argument("--b-source", default=None, help="another paged_prefill.c, beside this one")
+    ap.add_argument("--b-variant", default=None, help="this file in another build, beside it")
     args = ap.parse_args()
-    # (an AVX-512 CPU without BF16 runs the avx2 build of this file, as the engine does)
+    # (an AMX CPU refused its tiles runs the avx512 build of this file, as the engine does)
     flags = variants.flags(variants.get(args.variant)) if args.variant else None
     flags = variants.prefill_fallback() or () if flags is None else flags
     per_seq = (args.context + BLOCK - 1) // BLOCK
@@ -94,8 +96,9 @@ def main() -> None:
     a = kernel(SOURCE, flags)
     sides = {"attention": attention(a, "attention"), "in cache": attention(a, "hot", hot=True),
              "read only": read_only}  # fmt: skip
-    if args.b_source:
-        sides["B: attention"] = attention(kernel(Path(args.b_source), flags), "B")
+    if args.b_source or args.b_variant:
+        b_flags = variants.flags(variants.get(args.b_variant)) if args.b_variant else flags
+        sides["B: attention"] = attention(kernel(Path(args.b_source or SOURCE), b_flags), "B")
     times = {name: [] for name in sides}
     for r in range(args.rounds):
         for name in list(sides) if r % 2 == 0 else list(sides)[::-1]:
@@ -109,7 +112,7 @@ def main() -> None:
         best, median = min(ts), statistics.median(ts)
         print(f"  {name:13s} {best * 1e3:7.2f} ms best, {median * 1e3:7.2f} median, "
               f"{nbytes / best / 1e9:5.1f} GB/s")  # fmt: skip
-    if args.b_source:
+    if args.b_source or args.b_variant:
         print(f"  B's outputs the same as A's: {torch.equal(outs['B'], outs['attention'])}")
 
 

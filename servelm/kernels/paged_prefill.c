@@ -1,5 +1,5 @@
 /* Prefill attention over the paged KV cache on AMX tiles (or in their layout with AVX-512 BF16
- * vectors, or, further down, in AVX2 vectors):
+ * vectors, or, further down, in float32 vectors of AVX2 or AVX-512):
  * the n newest tokens of one sequence attend, causally, to all ctx tokens of its context (the n
  * among them), reading K in place.
  *
@@ -749,38 +749,29 @@ static void attend_few(const uint16_t *q, int64_t q_stride, const uint16_t *k_ca
 }
 #endif
 
-#elif defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#elif defined(__AVX2__) && defined(__FMA__)
 #define VECTOR_PREFILL 1
 
-/* Without tiles (an AVX2-only CPU, or an AVX-512 one without BF16, which loads this file's avx2
- * build: variants.prefill_fallback), in float32 FMAs. The context's K and V are widened once per
- * call into `scratch`: K^T in chunks of 8 keys (kt [Hkv][keys / 8][D][8], keys rounded up to 8,
- * zeros past ctx) and V as rows (vf [Hkv][keys][D]). Each task is one query head and 8 queries,
- * over the keys in chunks of 8, with q_i at position ctx - n + i:
+/* Without tiles, in float32 FMAs: an AVX2-only CPU in 8 lanes, an AVX-512 one without BF16
+ * (Skylake-X, Ice Lake) in 16 (VW). The context's K and V are widened once per call into
+ * `scratch`: K^T in chunks of VW keys (kt [Hkv][keys / VW][D][VW], keys rounded up to VW,
+ * zeros past ctx) and V as rows (vf [Hkv][keys][D]). Each task is one query head and VW queries,
+ * over the keys in chunks of VW, with q_i at position ctx - n + i:
  *
- *   s_i = q_i . K[chunk] * scale      lanes = the 8 keys, q_i broadcast: 8 chains of FMAs
- *   s transposed 8 x 8                lanes = the 8 queries from here on
+ *   s_i = q_i . K[chunk] * scale      lanes = the VW keys, q_i broadcast: VW chains of FMAs
+ *   s transposed VW x VW              lanes = the VW queries from here on
  *   online softmax (float32): running max m, sum l; p = e^(s - m), keys > position masked
  *   O_i = alpha_i O_i + sum_key p[key][i] V[key]      lanes = dims, p broadcast
  *   out_i = O_i / l_i
  *
  * With lanes = queries the softmax needs no horizontal reductions and no scalar exp (with lanes
- * = keys it cost more than either product). The softmax moves on KEY_GROUPS chunks (32 keys)
- * at a time: O is rescaled, loaded and stored once per 32 keys rather than per 8, which is
- * faster (docs/performance.md). P stays in float32 (torch's flash attention rounds it to
- * bf16); the output is rounded once. */
-INLINE int64_t keys_padded(int64_t ctx) { return (ctx + 7) / 8 * 8; }
-
-/* The next chunk from *counter (shared by the threads) that is a decode token's, n * G <= 8 (one
- * task a head), or num where none is left */
-INLINE int64_t claim_token(int64_t *counter, int64_t num, const int64_t *n, int64_t G)
-{
-    int64_t i;
-    do
-        i = __atomic_fetch_add(counter, 1, __ATOMIC_RELAXED);
-    while (i < num && n[i] * G > 8);
-    return i < num ? i : num;
-}
+ * = keys it cost more than either product). The softmax moves on UPDATE_KEYS keys at a time: O
+ * is rescaled, loaded and stored once per 32 keys rather than per 8, which is faster
+ * (docs/performance.md). P stays in float32 (torch's flash attention rounds it to bf16); the
+ * output is rounded once. Every lane's arithmetic is the same in both widths, in the same
+ * order, and the softmax's updates fall on the same keys: the two builds give the same bits
+ * (tests/kernels/test_paged_prefill.py), and so the same greedy text. */
+#define UPDATE_KEYS 32 /* keys per softmax update (64 was no faster in 8 lanes) */
 
 /* 8 x 8 float32 transposed in place: r[j] lane i <- r[i] lane j */
 INLINE void transpose8(__m256 r[8])
@@ -801,217 +792,331 @@ INLINE void transpose8(__m256 r[8])
     }
 }
 
-/* Keys 8c .. 8c + 7 of KV head h into kt and vf (zeros past ctx, and before lo: no query of the
- * call sees those, whose blocks may have been given back). */
+#ifdef __AVX512F__
+#define VW 16
+typedef __m512 vec;
+typedef __m512i ivec;
+typedef __mmask16 lanes_mask;
+INLINE vec vzero(void) { return _mm512_setzero_ps(); }
+INLINE vec vset(float x) { return _mm512_set1_ps(x); }
+INLINE vec vload(const float *p) { return _mm512_loadu_ps(p); }
+INLINE void vstore(float *p, vec v) { _mm512_storeu_ps(p, v); }
+INLINE vec vbcast(const float *p) { return _mm512_set1_ps(*p); }
+INLINE vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+INLINE vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
+INLINE vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+INLINE vec vdiv(vec a, vec b) { return _mm512_div_ps(a, b); }
+INLINE vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }
+INLINE vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+INLINE vec vexp(vec x) { return exp_approx16(x); }
+INLINE vec vload_bf16(const uint16_t *p) { return load_bf16(p); }
+INLINE void vstore_bf16(uint16_t *p, vec v) { store_bf16(p, v); }
+INLINE ivec iload(const int32_t *p) { return _mm512_loadu_si512(p); }
+INLINE ivec iset(int32_t x) { return _mm512_set1_epi32(x); }
+INLINE ivec iadd(ivec a, ivec b) { return _mm512_add_epi32(a, b); }
+/* Lanes (queries) that see key t: below_i < t < pos_i + 1, with past = pos + 1 and below the
+ * last key before the lane's window (-1 without one) */
+INLINE lanes_mask sees_window(ivec past, ivec below, int64_t t)
+{
+    const ivec key = iset((int32_t)t);
+    return _mm512_cmpgt_epi32_mask(past, key) & _mm512_cmpgt_epi32_mask(key, below);
+}
+INLINE vec masked_inf(vec x, lanes_mask m) { return _mm512_mask_blend_ps(m, vset(-INFINITY), x); }
+INLINE vec masked_zero(vec x, lanes_mask m) { return _mm512_maskz_mov_ps(m, x); }
+
+/* 16 x 16 float32 transposed in place: r[j] lane i <- r[i] lane j */
+INLINE void transpose(vec r[16])
+{
+    vec t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    /* u[4a + j], 128-bit block b: column 4b + j of rows 4a .. 4a + 3 */
+    for (int a = 0; a < 16; a += 4)
+        for (int j = 0; j < 2; j++) {
+            u[a + 2 * j] = _mm512_shuffle_ps(t[a + j], t[a + 2 + j], _MM_SHUFFLE(1, 0, 1, 0));
+            u[a + 2 * j + 1] = _mm512_shuffle_ps(t[a + j], t[a + 2 + j], _MM_SHUFFLE(3, 2, 3, 2));
+        }
+    /* then the 128-bit blocks, 4 x 4 */
+    for (int j = 0; j < 4; j++) {
+        const vec lo0 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0x44);
+        const vec hi0 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0xee);
+        const vec lo1 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0x44);
+        const vec hi1 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0xee);
+        r[j] = _mm512_shuffle_f32x4(lo0, lo1, 0x88);
+        r[4 + j] = _mm512_shuffle_f32x4(lo0, lo1, 0xdd);
+        r[8 + j] = _mm512_shuffle_f32x4(hi0, hi1, 0x88);
+        r[12 + j] = _mm512_shuffle_f32x4(hi0, hi1, 0xdd);
+    }
+}
+#else
+#define VW 8
+typedef __m256 vec;
+typedef __m256i ivec;
+typedef __m256 lanes_mask;
+INLINE vec vzero(void) { return _mm256_setzero_ps(); }
+INLINE vec vset(float x) { return _mm256_set1_ps(x); }
+INLINE vec vload(const float *p) { return _mm256_loadu_ps(p); }
+INLINE void vstore(float *p, vec v) { _mm256_storeu_ps(p, v); }
+INLINE vec vbcast(const float *p) { return _mm256_broadcast_ss(p); }
+INLINE vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+INLINE vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
+INLINE vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+INLINE vec vdiv(vec a, vec b) { return _mm256_div_ps(a, b); }
+INLINE vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }
+INLINE vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+INLINE vec vexp(vec x) { return exp_approx8(x); }
+INLINE vec vload_bf16(const uint16_t *p) { return load_bf16_8(p); }
+INLINE void vstore_bf16(uint16_t *p, vec v) { store_bf16_8(p, v); }
+INLINE ivec iload(const int32_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+INLINE ivec iset(int32_t x) { return _mm256_set1_epi32(x); }
+INLINE ivec iadd(ivec a, ivec b) { return _mm256_add_epi32(a, b); }
+/* (as above) */
+INLINE lanes_mask sees_window(ivec past, ivec below, int64_t t)
+{
+    const ivec key = iset((int32_t)t);
+    return _mm256_castsi256_ps(
+        _mm256_and_si256(_mm256_cmpgt_epi32(past, key), _mm256_cmpgt_epi32(key, below)));
+}
+INLINE vec masked_inf(vec x, lanes_mask m) { return _mm256_blendv_ps(vset(-INFINITY), x, m); }
+INLINE vec masked_zero(vec x, lanes_mask m) { return _mm256_and_ps(x, m); }
+
+INLINE void transpose(vec r[8]) { transpose8(r); }
+#endif
+#define GROUP_CHUNKS (UPDATE_KEYS / VW) /* chunks of VW keys per softmax update */
+
+INLINE int64_t keys_padded(int64_t ctx) { return (ctx + VW - 1) / VW * VW; }
+
+/* The next chunk from *counter (shared by the threads) that is a decode token's, n * G <= VW
+ * (one task a head), or num where none is left */
+INLINE int64_t claim_token(int64_t *counter, int64_t num, const int64_t *n, int64_t G)
+{
+    int64_t i;
+    do
+        i = __atomic_fetch_add(counter, 1, __ATOMIC_RELAXED);
+    while (i < num && n[i] * G > VW);
+    return i < num ? i : num;
+}
+
+/* Keys VW c .. VW c + VW - 1 of KV head h into kt and vf (zeros past ctx, and before lo: no
+ * query of the call sees those, whose blocks may have been given back), in 8 x 8 transposes in
+ * both widths (16 x 16 ones made this 2-3x slower on the Zen 4; docs/performance.md, session
+ * 31). */
 static void widen_chunk(const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *blocks,
                         int64_t block_size, int64_t lo, int64_t ctx, int64_t Hkv, int64_t D,
                         int64_t h, int64_t c, float *kt, float *vf)
 {
-    const uint16_t *k_rows[8], *v_rows[8];
-    for (int j = 0; j < 8; j++) {
-        const int64_t t = 8 * c + j;
+    const uint16_t *k_rows[VW], *v_rows[VW];
+    for (int j = 0; j < VW; j++) {
+        const int64_t t = VW * c + j;
         const int64_t row =
             t >= lo && t < ctx ? (slot_of(blocks, block_size, t) * Hkv + h) * D : -1;
         k_rows[j] = row < 0 ? NULL : k_cache + row;
         v_rows[j] = row < 0 ? NULL : v_cache + row;
     }
-    for (int64_t d = 0; d < D; d += 8) {
-        __m256 r[8];
-        for (int j = 0; j < 8; j++) {
-            r[j] = k_rows[j] ? load_bf16_8(k_rows[j] + d) : _mm256_setzero_ps();
-            _mm256_storeu_ps(vf + (8 * c + j) * D + d,
-                             v_rows[j] ? load_bf16_8(v_rows[j] + d) : _mm256_setzero_ps());
+    for (int half = 0; half < VW; half += 8)
+        for (int64_t d = 0; d < D; d += 8) {
+            __m256 r[8];
+            for (int j = 0; j < 8; j++) {
+                const uint16_t *k_row = k_rows[half + j], *v_row = v_rows[half + j];
+                r[j] = k_row ? load_bf16_8(k_row + d) : _mm256_setzero_ps();
+                _mm256_storeu_ps(vf + (VW * c + half + j) * D + d,
+                                 v_row ? load_bf16_8(v_row + d) : _mm256_setzero_ps());
+            }
+            transpose8(r); /* r[j]: dim d + j of the 8 keys */
+            for (int j = 0; j < 8; j++)
+                _mm256_storeu_ps(kt + (c * D + d + j) * VW + half, r[j]);
         }
-        transpose8(r); /* r[j]: dim d + j of the 8 keys */
-        for (int j = 0; j < 8; j++)
-            _mm256_storeu_ps(kt + (c * D + d + j) * 8, r[j]);
-    }
 }
 
-#define KEY_GROUPS 4 /* chunks of 8 keys per softmax update (8 was no faster) */
+/* The first chunk (of VW keys) of the group of GROUP_CHUNKS chunks that holds `key`: groups
+ * start at multiples of UPDATE_KEYS whatever a task's queries (and the width), so that a
+ * query's softmax updates fall on the same keys alone or among others (batch invariance) */
+INLINE int64_t first_group(int64_t key) { return key / UPDATE_KEYS * GROUP_CHUNKS; }
 
-/* The first chunk (of 8 keys) of the group of KEY_GROUPS chunks that holds `key`: groups start
- * at multiples of KEY_GROUPS whatever a task's queries, so that a query's softmax updates fall
- * on the same keys alone or among others (batch invariance) */
-INLINE int64_t first_group(int64_t key) { return key / 8 / KEY_GROUPS * KEY_GROUPS; }
-
-/* c tanh(x / c) for 8 lanes: 1 - 2 / (e^2y + 1), exp_approx8 clamping to +-1 at the ends */
-INLINE __m256 softcap8(__m256 x, float cap)
+/* c tanh(x / c): 1 - 2 / (e^2y + 1), vexp clamping to +-1 at the ends */
+INLINE vec softcap_lanes(vec x, float cap)
 {
-    const __m256 e = exp_approx8(_mm256_mul_ps(x, _mm256_set1_ps(2.f / cap)));
-    const __m256 t = _mm256_sub_ps(_mm256_set1_ps(1.f),
-                                   _mm256_div_ps(_mm256_set1_ps(2.f),
-                                                 _mm256_add_ps(e, _mm256_set1_ps(1.f))));
-    return _mm256_mul_ps(t, _mm256_set1_ps(cap));
+    const vec e = vexp(vmul(x, vset(2.f / cap)));
+    return vmul(vsub(vset(1.f), vdiv(vset(2.f), vadd(e, vset(1.f)))), vset(cap));
 }
 
-/* Lanes (queries) that see key t: below_i < t < pos_i + 1, with past = pos + 1 and below the
- * last key before the lane's window (-1 without one) */
-INLINE __m256 sees_window(__m256i past, __m256i below, int64_t t)
-{
-    const __m256i key = _mm256_set1_epi32((int)t);
-    return _mm256_castsi256_ps(
-        _mm256_and_si256(_mm256_cmpgt_epi32(past, key), _mm256_cmpgt_epi32(key, below)));
-}
-
-/* out[c][i] = the scores of chunk c's 8 keys (K^T at k, chunk after chunk) for query i (qs[i],
+/* out[c][i] = the scores of chunk c's VW keys (K^T at k, chunk after chunk) for query i (qs[i],
  * scaled) of R real ones, the padding lanes' the last real one's; C chunks (R, C constants at
  * each call site). Each sum is one chain of FMAs over the dims, in order (batch invariance);
  * with few queries (a decode token's G), C chunks' chains side by side keep the FMA units busy
- * where R chains alone waited on their latency (a decode step's attention 1.2x faster with this
- * build on the Zen 4; docs/performance.md, session 30). (The sums in an array of their own:
- * summed in the array transpose8 takes, GCC stored every sum to the stack after each FMA, the
- * attention 1.16-1.25x slower on the Zen 4 with this build; docs/performance.md, session 29.) */
+ * where R chains alone waited on their latency (a decode step's attention 1.2x faster with the
+ * avx2 build on the Zen 4; docs/performance.md, session 30). (The sums in an array of their
+ * own: summed in the array `transpose` takes, GCC stored every sum to the stack after each FMA,
+ * the attention 1.16-1.25x slower on the Zen 4 with that build; docs/performance.md, session
+ * 29.) */
 INLINE void chunk_sums(const float *k, const float (*qs)[256], int64_t D, const int R,
-                       const int C, __m256 out[][8])
+                       const int C, vec out[][VW])
 {
-    __m256 sums[4][8];
+    vec sums[GROUP_CHUNKS][VW];
     for (int c = 0; c < C; c++)
         for (int i = 0; i < R; i++)
-            sums[c][i] = _mm256_setzero_ps();
+            sums[c][i] = vzero();
     for (int64_t d = 0; d < D; d++) {
-        __m256 kd[4];
+        vec kd[GROUP_CHUNKS];
         for (int c = 0; c < C; c++)
-            kd[c] = _mm256_loadu_ps(k + (c * D + d) * 8);
+            kd[c] = vload(k + (c * D + d) * VW);
         for (int i = 0; i < R; i++) {
-            const __m256 qd = _mm256_broadcast_ss(qs[i] + d);
+            const vec qd = vbcast(qs[i] + d);
             for (int c = 0; c < C; c++)
-                sums[c][i] = _mm256_fmadd_ps(kd[c], qd, sums[c][i]);
+                sums[c][i] = vfma(kd[c], qd, sums[c][i]);
         }
     }
     for (int c = 0; c < C; c++)
-        for (int i = 0; i < 8; i++)
+        for (int i = 0; i < VW; i++)
             out[c][i] = sums[c][i < R ? i : R - 1];
 }
 
 /* The scores of `groups` chunks from k for `rows` real queries: chunk_sums, as many chunks at a
- * time as make 6-8 chains, then one at a time; from 5 real queries, all 8 lanes */
+ * time as make 4-8 chains, then one at a time; from 5 real queries, all VW lanes */
 static void group_sums(const float *k, const float (*qs)[256], int64_t D, int64_t rows,
-                       int groups, __m256 out[KEY_GROUPS][8])
+                       int groups, vec out[GROUP_CHUNKS][VW])
 {
     int c = 0;
     switch (rows) {
 #define SUMS_CASE(R, C)                                                                           \
     case R:                                                                                       \
         for (; c + C <= groups; c += C)                                                           \
-            chunk_sums(k + c * D * 8, qs, D, R, C, out + c);                                      \
+            chunk_sums(k + c * D * VW, qs, D, R, C, out + c);                                     \
         for (; c < groups; c++)                                                                   \
-            chunk_sums(k + c * D * 8, qs, D, R, 1, out + c);                                      \
+            chunk_sums(k + c * D * VW, qs, D, R, 1, out + c);                                     \
         break;
+#if VW == 8
         SUMS_CASE(1, 4)
         SUMS_CASE(2, 4)
         SUMS_CASE(3, 2)
         SUMS_CASE(4, 2)
+#else
+        SUMS_CASE(1, 2)
+        SUMS_CASE(2, 2)
+        SUMS_CASE(3, 2)
+        SUMS_CASE(4, 2)
+#endif
 #undef SUMS_CASE
-    default: /* (5-8) */
+    default: /* (5 and more) */
         for (; c < groups; c++)
-            chunk_sums(k + c * D * 8, qs, D, 8, 1, out + c);
+            chunk_sums(k + c * D * VW, qs, D, VW, 1, out + c);
     }
 }
 
-/* 8 lanes of KV head h over its widened context: lane r is pair t0 + r of (query i, head j of
+/* O_i = alpha_i O_i + sum_key pt[key][i] V[key] for queries i .. i + R - 1 and dims d ..
+ * d + V VW - 1 (R, V constants at each call site), each lane a chain over the keys in order */
+INLINE void values_pass(float (*o)[256], const float *alpha, const float (*pt)[VW],
+                        const float *v, int64_t D, int keys, int i, int64_t d, const int R,
+                        const int V)
+{
+    vec acc[4][4];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < V; j++)
+            acc[r][j] = vmul(vload(o[i + r] + d + VW * j), vbcast(alpha + i + r));
+    for (int key = 0; key < keys; key++) {
+        vec pk[4];
+        for (int r = 0; r < R; r++)
+            pk[r] = vbcast(pt[key] + i + r);
+        for (int j = 0; j < V; j++) {
+            vec vk = vload(v + key * D + d + VW * j);
+            /* in a register: GCC would fold the load into every FMA, 10 loads to 8 FMAs where
+             * 6 do (8 lanes), which is slower */
+            __asm__("" : "+v"(vk));
+            for (int r = 0; r < R; r++)
+                acc[r][j] = vfma(vk, pk[r], acc[r][j]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < V; j++)
+            vstore(o[i + r] + d + VW * j, acc[r][j]);
+}
+
+/* VW lanes of KV head h over its widened context: lane r is pair t0 + r of (query i, head j of
  * the group), t = i * G + j, as on the tiles above (each lane's arithmetic its own). */
 static void attend_queries(const uint16_t *q, int64_t q_stride, const float *kt, const float *vf,
                            int64_t n, int64_t ctx, int64_t Hq, int64_t Hkv, int64_t D, int64_t h,
                            int64_t t0, float scale, int64_t window, float softcap, uint16_t *out,
                            int64_t out_stride)
 {
-    const int64_t G = Hq / Hkv, rows = n * G - t0 < 8 ? n * G - t0 : 8;
+    const int64_t G = Hq / Hkv, rows = n * G - t0 < VW ? n * G - t0 : VW;
     const int64_t first_pos = ctx - n + t0 / G, last_pos = ctx - n + (t0 + rows - 1) / G;
-    const int64_t chunks = last_pos / 8 + 1;
-    float qs[8][256], o[8][256];
-    __attribute__((aligned(32))) float pt[8 * KEY_GROUPS][8], alpha[8]; /* P^T [key][query] */
-    int32_t pos_lanes[8], below_lanes[8]; /* padding lanes repeat the last real one */
-    int64_t out_at[8];
-    for (int r = 0; r < 8; r++) {
+    const int64_t chunks = last_pos / VW + 1;
+    float qs[VW][256], o[VW][256];
+    __attribute__((aligned(64))) float pt[UPDATE_KEYS][VW], alpha[VW]; /* P^T [key][query] */
+    int32_t pos_lanes[VW], below_lanes[VW]; /* padding lanes repeat the last real one */
+    int64_t out_at[VW];
+    for (int r = 0; r < VW; r++) {
         const int64_t t = t0 + (r < rows ? r : rows - 1), i = t / G, head = h * G + t % G;
         const uint16_t *qi = q + i * q_stride + head * D;
-        for (int64_t d = 0; d < D; d += 8) {
-            _mm256_storeu_ps(qs[r] + d, _mm256_mul_ps(load_bf16_8(qi + d), _mm256_set1_ps(scale)));
-            _mm256_storeu_ps(o[r] + d, _mm256_setzero_ps());
+        for (int64_t d = 0; d < D; d += VW) {
+            vstore(qs[r] + d, vmul(vload_bf16(qi + d), vset(scale)));
+            vstore(o[r] + d, vzero());
         }
         pos_lanes[r] = (int32_t)(ctx - n + i);
         below_lanes[r] = (int32_t)(first_key(ctx - n + i, window) - 1);
         out_at[r] = i * out_stride + head * D;
     }
-    const __m256i past = _mm256_add_epi32(_mm256_loadu_si256((const __m256i *)pos_lanes),
-                                          _mm256_set1_epi32(1));
-    const __m256i below = _mm256_loadu_si256((const __m256i *)below_lanes);
-    __m256 m = _mm256_set1_ps(-INFINITY), l = _mm256_setzero_ps(); /* lanes: queries */
-    for (int64_t c0 = first_group(first_key(first_pos, window)); c0 < chunks; c0 += KEY_GROUPS) {
-        const int groups = chunks - c0 < KEY_GROUPS ? (int)(chunks - c0) : KEY_GROUPS;
-        const int keys = 8 * groups;
+    const ivec past = iadd(iload(pos_lanes), iset(1)), below = iload(below_lanes);
+    vec m = vset(-INFINITY), l = vzero(); /* lanes: queries */
+    for (int64_t c0 = first_group(first_key(first_pos, window)); c0 < chunks;
+         c0 += GROUP_CHUNKS) {
+        const int groups = chunks - c0 < GROUP_CHUNKS ? (int)(chunks - c0) : GROUP_CHUNKS;
+        const int keys = VW * groups;
         /* all but the last groups of keys lie at or before every query, and (no window) after
          * none's first key: no masking there */
-        const int all_see = 8 * (c0 + groups) - 1 <= first_pos && window <= 0;
-        __m256 top = _mm256_set1_ps(-INFINITY), s_all[KEY_GROUPS][8];
-        group_sums(kt + c0 * D * 8, qs, D, rows, groups, s_all);
+        const int all_see = VW * (c0 + groups) - 1 <= first_pos && window <= 0;
+        vec top = vset(-INFINITY), s_all[GROUP_CHUNKS][VW];
+        group_sums(kt + c0 * D * VW, qs, D, rows, groups, s_all);
         for (int gi = 0; gi < groups; gi++) {
-            /* s[i] lanes = the chunk's 8 keys, for query i; then transposed: lanes = queries */
+            /* s[i] lanes = the chunk's VW keys, for query i; then transposed: lanes = queries */
             const int64_t c = c0 + gi;
-            __m256 *s = s_all[gi];
-            transpose8(s);
+            vec *s = s_all[gi];
+            transpose(s);
             /* keys past a query's position, or before its window, masked (-inf) */
-            for (int j = 0; j < 8; j++) {
+            for (int j = 0; j < VW; j++) {
                 if (softcap > 0.f)
-                    s[j] = softcap8(s[j], softcap);
+                    s[j] = softcap_lanes(s[j], softcap);
                 if (!all_see)
-                    s[j] = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s[j],
-                                            sees_window(past, below, 8 * c + j));
-                top = _mm256_max_ps(top, s[j]);
-                _mm256_store_ps(pt[8 * gi + j], s[j]);
+                    s[j] = masked_inf(s[j], sees_window(past, below, VW * c + j));
+                top = vmax(top, s[j]);
+                vstore(pt[VW * gi + j], s[j]);
             }
         }
         /* online softmax, lanes = queries; m_new is finite (M_FLOOR where a lane has seen no
          * key yet), and alpha is (about) 0 the first time; masked keys' p is 0 */
-        const __m256 m_new = _mm256_max_ps(_mm256_max_ps(m, top), _mm256_set1_ps(M_FLOOR));
-        const __m256 a = exp_approx8(_mm256_sub_ps(m, m_new));
+        const vec m_new = vmax(vmax(m, top), vset(M_FLOOR));
+        const vec a = vexp(vsub(m, m_new));
         m = m_new;
-        __m256 sum = _mm256_setzero_ps();
-        for (int j = 0; j < keys; j++) { /* (exp_approx8 of -inf is tiny, not 0: masked again) */
-            const __m256 e = exp_approx8(_mm256_sub_ps(_mm256_load_ps(pt[j]), m_new));
-            const __m256 p =
-                all_see ? e : _mm256_and_ps(e, sees_window(past, below, 8 * c0 + j));
-            sum = _mm256_add_ps(sum, p);
-            _mm256_store_ps(pt[j], p);
+        vec sum = vzero();
+        for (int j = 0; j < keys; j++) { /* (vexp of -inf is tiny, not 0: masked again) */
+            const vec e = vexp(vsub(vload(pt[j]), m_new));
+            const vec p = all_see ? e : masked_zero(e, sees_window(past, below, VW * c0 + j));
+            sum = vadd(sum, p);
+            vstore(pt[j], p);
         }
-        l = _mm256_fmadd_ps(l, a, sum);
-        _mm256_store_ps(alpha, a);
-        /* O_i = alpha_i O_i + sum_key P^T[key][i] V[key], two queries and 32 dims at a time
-         * (the real ones: a padding lane's O is never stored) */
-        const float *v = vf + 8 * c0 * D;
-        for (int i = 0; i < rows; i += 2)
-            for (int64_t d = 0; d < D; d += 32) {
-                __m256 acc[2][4];
-                for (int r = 0; r < 2; r++)
-                    for (int j = 0; j < 4; j++)
-                        acc[r][j] = _mm256_mul_ps(_mm256_loadu_ps(o[i + r] + d + 8 * j),
-                                                  _mm256_broadcast_ss(alpha + i + r));
-                for (int key = 0; key < keys; key++) {
-                    const __m256 pk[2] = {_mm256_broadcast_ss(pt[key] + i),
-                                          _mm256_broadcast_ss(pt[key] + i + 1)};
-                    for (int j = 0; j < 4; j++) {
-                        __m256 vk = _mm256_loadu_ps(v + key * D + d + 8 * j);
-                        /* in a register: GCC would fold the load into both FMAs, 10 loads
-                         * to 8 FMAs where 6 do, which is slower */
-                        __asm__("" : "+x"(vk));
-                        for (int r = 0; r < 2; r++)
-                            acc[r][j] = _mm256_fmadd_ps(vk, pk[r], acc[r][j]);
-                    }
-                }
-                for (int r = 0; r < 2; r++)
-                    for (int j = 0; j < 4; j++)
-                        _mm256_storeu_ps(o[i + r] + d + 8 * j, acc[r][j]);
-            }
+        l = vfma(l, a, sum);
+        vstore(alpha, a);
+        /* O_i = alpha_i O_i + sum_key P^T[key][i] V[key] for the real queries (a padding
+         * lane's O is never stored): 2 queries by 32 dims a pass in 8 lanes (16 registers), 4
+         * by 64 in 16 (32) */
+        const float *v = vf + VW * c0 * D;
+        for (int i = 0; i < rows; i += VW / 4) {
+            int64_t d = 0;
+#if VW == 16
+            for (; d + 64 <= D; d += 64)
+                values_pass(o, alpha, pt, v, D, keys, i, d, 4, 4);
+#endif
+            for (; d < D; d += 32)
+                values_pass(o, alpha, pt, v, D, keys, i, d, VW / 4, 32 / VW);
+        }
     }
-    __attribute__((aligned(32))) float inv_l[8];
-    _mm256_store_ps(inv_l, _mm256_div_ps(_mm256_set1_ps(1.f), l));
-    for (int64_t i = 0; i < rows; i++) {
-        uint16_t *row = out + out_at[i];
-        for (int64_t d = 0; d < D; d += 8)
-            store_bf16_8(row + d,
-                         _mm256_mul_ps(_mm256_loadu_ps(o[i] + d), _mm256_set1_ps(inv_l[i])));
-    }
+    __attribute__((aligned(64))) float inv_l[VW];
+    vstore(inv_l, vdiv(vset(1.f), l));
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t d = 0; d < D; d += VW)
+            vstore_bf16(out + out_at[i] + d, vmul(vload(o[i] + d), vset(inv_l[i])));
 }
 
 #endif
@@ -1040,7 +1145,7 @@ int64_t paged_prefill_scratch_bytes(int64_t ctx, int64_t Hkv, int64_t D)
 
 /* How this build runs the kernel: 1 on AMX tiles (where Linux lets this process use them), 2 in
  * AVX2 vectors (a build without AVX-512), 3 in AVX-512 BF16 vectors (a build with it and no
- * AMX), 0 not at all. */
+ * AMX), 4 in AVX-512 float32 vectors (a build without BF16), 0 not at all. */
 int64_t paged_prefill_available(void)
 {
 #ifdef HAVE_AMX
@@ -1048,7 +1153,7 @@ int64_t paged_prefill_available(void)
 #elif defined(VECTOR_TILES)
     return 3;
 #elif defined(VECTOR_PREFILL)
-    return 2;
+    return VW == 16 ? 4 : 2;
 #else
     return 0;
 #endif
@@ -1083,10 +1188,10 @@ void paged_prefill_bf16_win(const uint16_t *q, int64_t q_stride, const uint16_t 
         tiles_off();
     }
 #elif defined(VECTOR_PREFILL)
-    const int64_t keys = keys_padded(ctx), items = (n * (Hq / Hkv) + 7) / 8;
+    const int64_t keys = keys_padded(ctx), items = (n * (Hq / Hkv) + VW - 1) / VW;
     float *kt = (float *)scratch, *vf = kt + Hkv * keys * D;
     /* chunks before the first query's window's group are read by no task */
-    const int64_t skip = first_group(first_key(ctx - n, window)), widened = keys / 8 - skip;
+    const int64_t skip = first_group(first_key(ctx - n, window)), widened = keys / VW - skip;
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
@@ -1100,7 +1205,7 @@ void paged_prefill_bf16_win(const uint16_t *q, int64_t q_stride, const uint16_t 
         for (int64_t item = 0; item < Hkv * items; item++) {
             const int64_t tile = items - 1 - item / Hkv, h = item % Hkv;
             attend_queries(q, q_stride, kt + h * keys * D, vf + h * keys * D, n, ctx, Hq, Hkv, D,
-                           h, tile * 8, scale, window, softcap, out, out_stride);
+                           h, tile * VW, scale, window, softcap, out, out_stride);
         }
     }
 #else
@@ -1247,14 +1352,14 @@ void paged_prefill_bf16_many(int64_t num, const uint16_t *const *q, const int64_
 #elif defined(VECTOR_PREFILL)
     /* Prompt chunks (more than one task a head) one at a time, each split between the threads
      * by paged_prefill_bf16_win; then the decode tokens (one task a head: a token's G queries
-     * fit a task's 8 lanes) in one parallel region, a token to a thread, widened and attended
+     * fit a task's VW lanes) in one parallel region, a token to a thread, widened and attended
      * as paged_prefill_bf16_win does it (so with its bits), the context of the thread's next
      * token asked for meanwhile (struct ahead). Each token in a call of its own, its three
      * tasks shared by two threads, took a 16-token decode step's attention 22 ms on the Zen 4
      * with this build; docs/performance.md, session 29. */
     int64_t claimed = 0; /* chunk indices handed out (claim_token) */
     for (int64_t i = 0; i < num; i++)
-        if (n[i] * G > 8)
+        if (n[i] * G > VW)
             paged_prefill_bf16_win(q[i], q_stride, k_cache, v_cache, blocks[i], block_size, n[i],
                                    ctx[i], Hq, Hkv, D, scale, 0, 0.f, out[i], out_stride,
                                    (uint16_t *)(packed + at[i]));
@@ -1270,10 +1375,10 @@ void paged_prefill_bf16_many(int64_t num, const uint16_t *const *q, const int64_
                 next = (struct ahead){.k = (const char *)k_cache, .v = (const char *)v_cache,
                                       .blocks = blocks[following], .block_size = block_size,
                                       .ctx = ctx[following], .row_bytes = Hkv * D * 2};
-                step = ctx[following] * Hkv * D * 2 / 64 / (Hkv * keys / 8 + Hkv) + 1;
+                step = ctx[following] * Hkv * D * 2 / 64 / (Hkv * keys / VW + Hkv) + 1;
             }
             for (int64_t h = 0; h < Hkv; h++)
-                for (int64_t c = 0; c < keys / 8; c++) {
+                for (int64_t c = 0; c < keys / VW; c++) {
                     widen_chunk(k_cache, v_cache, blocks[i], block_size, 0, ctx[i], Hkv, D, h, c,
                                 kt + h * keys * D, vf + h * keys * D);
                     ahead_step(&next, step);

@@ -1,5 +1,5 @@
-"""The CPU prefill attention of `paged_prefill.c` (AMX tiles, AVX-512 BF16 or AVX2), called on
-torch tensors.
+"""The CPU prefill attention of `paged_prefill.c` (AMX tiles, AVX-512 BF16, or float32 in AVX-512
+or AVX2), called on torch tensors.
 
     kernel = PagedPrefillKernel.load(torch.bfloat16, head_dim=64, block_size=16)  # None: SDPA
     kernel(q, k_cache, v_cache, blocks, block_size, context_len, scale, out,
@@ -34,7 +34,7 @@ _ARGTYPES = [_ptr, _i64, _ptr, _ptr, _ptr] + [_i64] * 6 + [ctypes.c_float, _ptr,
 _ARGTYPES_WIN = [*_ARGTYPES[:12], _i64, ctypes.c_float, *_ARGTYPES[12:]]
 
 
-PATHS = {1: "AMX", 2: "AVX2", 3: "AVX-512 BF16"}  # paged_prefill_available()'s answers
+PATHS = {1: "AMX", 2: "AVX2", 3: "AVX-512 BF16", 4: "AVX-512"}  # paged_prefill_available()
 
 
 class PagedPrefillKernel:
@@ -62,7 +62,7 @@ class PagedPrefillKernel:
         multiple of 32 up to 256, blocks not a multiple of 16 tokens, no C compiler, or a CPU
         (or kernel) with neither AMX tiles nor AVX2. `extra_flags`: for the compiler (tests
         build each variant this way); None: this CPU's build, or where that has no path (an
-        AVX-512 CPU without BF16) another's (`variants.prefill_fallback`)."""
+        AMX CPU refused its tiles) another's (`variants.prefill_fallback`)."""
         if dtype != torch.bfloat16 or head_dim % 32 or head_dim > 256 or block_size % 16:
             return None
         if extra_flags is None:

@@ -212,23 +212,17 @@ def prefill_fallback() -> tuple[str, ...] | None:
     """The flags of the build whose prefill attention this CPU runs where its own build has
     none; None where its own build has one (or none can). `paged_prefill.c` has a path on AMX
     tiles, the same in AVX-512 BF16 vectors for CPUs with those and no AMX (Zen 4 and 5), and
-    one in AVX2 vectors for CPUs without AVX-512. An AVX-512 CPU without BF16 (Ice Lake,
-    Skylake-X) runs the avx2 build's, and an AMX CPU whose tiles Linux refuses the avx512
-    build's, which it executes, rather than torch's SDPA, and so attends prompt and decode
-    tokens alike in C (batch invariance). Decided from the CPU's flags, without asking the
-    compiler, since every start asks."""
+    one in float32 vectors for the others (AVX-512 or AVX2). An AMX CPU whose tiles Linux
+    refuses runs the avx512 build's, which it executes, rather than torch's SDPA, and so
+    attends prompt and decode tokens alike in C (batch invariance). Decided from the CPU's
+    flags, without asking the compiler, since every start asks."""
     name = os.environ.get(ENV, "")
     if name and name != "native":  # the selected build's features, not the CPU's
         cpu, amx = frozenset(get(name).cpu), "amx_tile" in get(name).cpu
     else:
         cpu = cpu_flags()
         amx = "amx_tile" in cpu and amx_granted()
-    if amx or "avx512f" not in cpu or not X86:
+    if amx or "amx_tile" not in cpu or "avx512_bf16" not in cpu or not X86:
         return None
-    if "avx512_bf16" not in cpu:
-        fallback = "avx2"
-    elif "amx_tile" in cpu:  # tiles refused: the vectors of the same layout
-        fallback = "avx512"
-    else:
-        return None
-    return None if unavailable(BY_NAME[fallback]) is not None else flags(BY_NAME[fallback])
+    fallback = BY_NAME["avx512"]  # tiles refused: the vectors of the same layout
+    return None if unavailable(fallback) is not None else flags(fallback)

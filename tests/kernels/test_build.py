@@ -161,27 +161,24 @@ def test_build_all_then_the_engine_load_the_same_files(tmp_path):
 
 
 @needs_compiler
-def test_an_avx512_cpu_without_bf16_attends_with_the_avx2_build(monkeypatch):
-    # Its own build of paged_prefill.c has no path (AVX2's needs no AVX-512, the tile layout's
-    # AMX or AVX512-BF16): it runs the avx2 build's, for prompt and decode tokens alike, and
-    # build_all builds that one in place of its own.
+def test_an_avx512_cpu_without_bf16_attends_with_its_own_build(monkeypatch):
+    # Its own build of paged_prefill.c has the float32 path in 16 lanes (the AVX2 build's in 8
+    # until session 31): no fallback build, for prompt and decode tokens alike.
     selected = "avx512-nobf16"
-    for name in (selected, "avx2"):
-        if variants.unavailable(variants.get(name)):
-            pytest.skip(f"this host cannot run {name}")
+    if variants.unavailable(variants.get(selected)):
+        pytest.skip(f"this host cannot run {selected}")
     monkeypatch.setenv(variants.ENV, selected)
-    assert variants.prefill_fallback() == variants.flags(variants.get("avx2"))
+    assert variants.prefill_fallback() is None
     import torch
 
     from servelm.kernels.paged_prefill import PagedPrefillKernel
 
     kernel = PagedPrefillKernel.load(torch.bfloat16, 64, 16)
-    assert kernel is not None and kernel.name.endswith("(AVX2)")
+    assert kernel is not None and kernel.name.endswith("(AVX-512)")
     built = build.build_all()
     assert [p.name.split("-")[0] for p in built] == SOURCES
-    flags = (*variants.selected(), *variants.prefill_fallback())
-    prefill = build.build(build.SOURCES_BY_STEM["paged_prefill"], flags)
-    assert prefill in built  # the fallback build, the one the kernel loaded
+    prefill = build.build(build.SOURCES_BY_STEM["paged_prefill"], variants.selected())
+    assert prefill in built  # its own build, the one the kernel loaded
 
 
 @needs_compiler
@@ -199,7 +196,7 @@ def test_an_amx_cpu_refused_its_tiles_attends_with_the_avx512_build(monkeypatch)
 
 @needs_compiler
 def test_a_build_with_its_own_prefill_path_needs_no_fallback(monkeypatch):
-    for name in ("avx2", "avx512", "amx"):
+    for name in ("avx2", "avx512-nobf16", "avx512", "amx"):
         if not variants.unavailable(variants.get(name)):
             monkeypatch.setenv(variants.ENV, name)
             assert variants.prefill_fallback() is None

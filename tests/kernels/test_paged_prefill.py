@@ -1,5 +1,6 @@
-"""The prefill-attention kernel (AMX tiles, or AVX2 vectors on CPUs without AVX-512) against a
-float64 reference and torch's SDPA path: each path in its build (tests/kernels/variants.py)."""
+"""The prefill-attention kernel (AMX tiles, AVX-512 BF16 vectors in their layout, or float32 in
+AVX-512 or AVX2 vectors) against a float64 reference and torch's SDPA path: each path in its build
+(tests/kernels/variants.py)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,14 @@ import threading
 import pytest
 import torch
 
+from servelm.kernels import variants
 from servelm.kernels.paged_prefill import PagedPrefillKernel
 from servelm.kernels.variants import prefill_fallback
 from servelm.worker.attention import TorchPagedAttention
 from tests.kernels.test_paged_decode import scattered_tables
 from tests.kernels.variants import PREFILL, flags, native, params
 
-# each test runs in the builds that have the kernel (amx, avx512 and avx2; the others have none)
+# each test runs in the builds that have the kernel (all but c)
 with_the_kernel = pytest.mark.parametrize("variant", params(PREFILL), indirect=True)
 # the bf16 output's own rounding (~1e-2 at |x| ~ 2) plus, on tiles, P rounded to bf16
 TOLERANCE = 1.6e-2
@@ -133,6 +135,40 @@ def test_many_chunks_in_one_call_give_each_chunks_own_result_bit_for_bit(variant
             assert torch.equal(out[s : s + n], alone), (n, ctx)
 
 
+@pytest.mark.parametrize("d,hq,hkv", [(64, 9, 3), (128, 8, 2), (32, 6, 3), (96, 4, 4)])
+def test_float32_paths_in_16_and_8_lanes_give_the_same_bits(d, hq, hkv):
+    # An AVX-512 CPU without BF16 attends in 16 lanes, an AVX2 one in 8: every lane's
+    # arithmetic and the softmax's update points are the same, so a prompt's tokens, a chunk
+    # after cached ones and decode tokens (paged_prefill_bf16_many) come out the same to the
+    # bit on both kinds, and so does greedy text. With a window and soft-capping too.
+    for name in ("avx512-nobf16", "avx2"):
+        if variants.unavailable(variants.get(name)):
+            pytest.skip(f"this host cannot run {name}")
+    wide, narrow = (PagedPrefillKernel.load(torch.bfloat16, d, 16, flags(name))
+                    for name in ("avx512-nobf16", "avx2"))  # fmt: skip
+    chunks = [
+        (1, 300),
+        (1, 1),
+        (40, 40),
+        (5, 64),
+        (6, 70),
+        (1, 33),
+        (3, 100),
+        (21, 500),
+        (100, 700),
+        (33, 641),
+    ]  # fmt: skip (200 blocks of 16 in all)
+    runs = [many_chunks(kernel, chunks, 3, d, hq, hkv) for kernel in (wide, narrow)]
+    assert torch.equal(runs[0][-1](), runs[1][-1]())
+    qkv, caches, tables, starts, _ = runs[0]
+    for (n, ctx), s, table in zip(chunks, starts, tables, strict=True):
+        for window, softcap in [(None, None), (50, None), (None, 30.0), (17, 5.0)]:
+            got = [kernel(qkv[s : s + n, :hq], *caches, table, 16, ctx, d**-0.5,
+                          torch.empty(n, hq, d, dtype=torch.bfloat16), window=window,
+                          softcap=softcap) for kernel in (wide, narrow)]  # fmt: skip
+            assert torch.equal(*got), (n, ctx, window, softcap)
+
+
 @with_the_kernel
 def test_many_chunks_called_from_two_threads_at_once_keep_their_own_buffers(variant):
     # Two engines in one process run their steps from their own threads: each call packs V
@@ -216,7 +252,7 @@ def test_each_build_has_its_path_or_none(variant):
 
 
 def test_the_engines_build_takes_this_cpus_path():
-    # an AVX-512 CPU without AMX, whose own build has no path, takes the avx2 build's
+    # an AMX CPU refused its tiles, whose own build then has no path, takes the avx512 build's
     kernel = PagedPrefillKernel.load(torch.bfloat16, 64, 16)
-    path = PREFILL.get(native()) or (PREFILL["avx2"] if prefill_fallback() is not None else None)
+    path = PREFILL.get(native()) or (PREFILL["avx512"] if prefill_fallback() is not None else None)
     assert (kernel.name if kernel else None) == (f"paged_prefill_bf16 ({path})" if path else None)

@@ -15,7 +15,8 @@ from servelm.kernels import variants
 # The paths the C files select, by variant (on a CPU that has the variant's features):
 TILES = {"amx"}  # quant_matmul's q4 on AMX tiles from 6 rows
 DECODE_VECTOR = {"avx2"}  # paged_decode's AVX2 path (AVX2 without AVX-512)
-PREFILL = {"amx": "AMX", "avx512": "AVX-512 BF16", "avx2": "AVX2"}  # paged_prefill's paths
+# paged_prefill's paths
+PREFILL = {"amx": "AMX", "avx512": "AVX-512 BF16", "avx512-nobf16": "AVX-512", "avx2": "AVX2"}
 INTEGERS = {"avx512-nobf16", "avx2"}  # q4 and q8 take x in integers by default
 INTEGER_PATHS = INTEGERS | {"avx512"}  # ... or when asked (--int4-activations)
 
