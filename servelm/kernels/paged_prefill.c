@@ -773,20 +773,26 @@ static void attend_few(const uint16_t *q, int64_t q_stride, const uint16_t *k_ca
  * (tests/kernels/test_paged_prefill.py), and so the same greedy text. */
 #define UPDATE_KEYS 32 /* keys per softmax update (64 was no faster in 8 lanes) */
 
+/* The first two steps of transposing n rows of float32 (8 or 16 lanes) in place, the same in
+ * both widths: afterwards, in each 128-bit block b of u[4a + j], column 4b + j of rows 4a .. 4a
+ * + 3 */
+#define TRANSPOSE_IN_BLOCKS(n, r, t, u, unpacklo, unpackhi, shuffle)                            \
+    for (int i = 0; i < n; i += 2) {                                                           \
+        t[i] = unpacklo(r[i], r[i + 1]);                                                       \
+        t[i + 1] = unpackhi(r[i], r[i + 1]);                                                   \
+    }                                                                                          \
+    for (int i = 0; i < n; i += 4)                                                             \
+        for (int j = 0; j < 2; j++) {                                                          \
+            u[i + 2 * j] = shuffle(t[i + j], t[i + 2 + j], _MM_SHUFFLE(1, 0, 1, 0));           \
+            u[i + 2 * j + 1] = shuffle(t[i + j], t[i + 2 + j], _MM_SHUFFLE(3, 2, 3, 2));       \
+        }
+
 /* 8 x 8 float32 transposed in place: r[j] lane i <- r[i] lane j */
 INLINE void transpose8(__m256 r[8])
 {
     __m256 t[8], u[8];
-    for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 8; i += 4)
-        for (int j = 0; j < 2; j++) {
-            u[i + 2 * j] = _mm256_shuffle_ps(t[i + j], t[i + 2 + j], _MM_SHUFFLE(1, 0, 1, 0));
-            u[i + 2 * j + 1] = _mm256_shuffle_ps(t[i + j], t[i + 2 + j], _MM_SHUFFLE(3, 2, 3, 2));
-        }
-    for (int i = 0; i < 4; i++) {
+    TRANSPOSE_IN_BLOCKS(8, r, t, u, _mm256_unpacklo_ps, _mm256_unpackhi_ps, _mm256_shuffle_ps)
+    for (int i = 0; i < 4; i++) { /* then the two 128-bit blocks */
         r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
         r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
     }
@@ -797,23 +803,35 @@ INLINE void transpose8(__m256 r[8])
 typedef __m512 vec;
 typedef __m512i ivec;
 typedef __mmask16 lanes_mask;
-INLINE vec vzero(void) { return _mm512_setzero_ps(); }
-INLINE vec vset(float x) { return _mm512_set1_ps(x); }
-INLINE vec vload(const float *p) { return _mm512_loadu_ps(p); }
-INLINE void vstore(float *p, vec v) { _mm512_storeu_ps(p, v); }
-INLINE vec vbcast(const float *p) { return _mm512_set1_ps(*p); }
-INLINE vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
-INLINE vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
-INLINE vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
-INLINE vec vdiv(vec a, vec b) { return _mm512_div_ps(a, b); }
-INLINE vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }
-INLINE vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+#define VOP(name) _mm512_##name
+#else
+#define VW 8
+typedef __m256 vec;
+typedef __m256i ivec;
+typedef __m256 lanes_mask;
+#define VOP(name) _mm256_##name
+#endif
+
+/* the operations whose intrinsics differ between the widths only in their prefix */
+INLINE vec vzero(void) { return VOP(setzero_ps)(); }
+INLINE vec vset(float x) { return VOP(set1_ps)(x); }
+INLINE vec vload(const float *p) { return VOP(loadu_ps)(p); }
+INLINE void vstore(float *p, vec v) { VOP(storeu_ps)(p, v); }
+INLINE vec vbcast(const float *p) { return VOP(set1_ps)(*p); }
+INLINE vec vadd(vec a, vec b) { return VOP(add_ps)(a, b); }
+INLINE vec vsub(vec a, vec b) { return VOP(sub_ps)(a, b); }
+INLINE vec vmul(vec a, vec b) { return VOP(mul_ps)(a, b); }
+INLINE vec vdiv(vec a, vec b) { return VOP(div_ps)(a, b); }
+INLINE vec vmax(vec a, vec b) { return VOP(max_ps)(a, b); }
+INLINE vec vfma(vec a, vec b, vec c) { return VOP(fmadd_ps)(a, b, c); }
+INLINE ivec iset(int32_t x) { return VOP(set1_epi32)(x); }
+INLINE ivec iadd(ivec a, ivec b) { return VOP(add_epi32)(a, b); }
+
+#if VW == 16
 INLINE vec vexp(vec x) { return exp_approx16(x); }
 INLINE vec vload_bf16(const uint16_t *p) { return load_bf16(p); }
 INLINE void vstore_bf16(uint16_t *p, vec v) { store_bf16(p, v); }
 INLINE ivec iload(const int32_t *p) { return _mm512_loadu_si512(p); }
-INLINE ivec iset(int32_t x) { return _mm512_set1_epi32(x); }
-INLINE ivec iadd(ivec a, ivec b) { return _mm512_add_epi32(a, b); }
 /* Lanes (queries) that see key t: below_i < t < pos_i + 1, with past = pos + 1 and below the
  * last key before the lane's window (-1 without one) */
 INLINE lanes_mask sees_window(ivec past, ivec below, int64_t t)
@@ -828,16 +846,7 @@ INLINE vec masked_zero(vec x, lanes_mask m) { return _mm512_maskz_mov_ps(m, x); 
 INLINE void transpose(vec r[16])
 {
     vec t[16], u[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-    }
-    /* u[4a + j], 128-bit block b: column 4b + j of rows 4a .. 4a + 3 */
-    for (int a = 0; a < 16; a += 4)
-        for (int j = 0; j < 2; j++) {
-            u[a + 2 * j] = _mm512_shuffle_ps(t[a + j], t[a + 2 + j], _MM_SHUFFLE(1, 0, 1, 0));
-            u[a + 2 * j + 1] = _mm512_shuffle_ps(t[a + j], t[a + 2 + j], _MM_SHUFFLE(3, 2, 3, 2));
-        }
+    TRANSPOSE_IN_BLOCKS(16, r, t, u, _mm512_unpacklo_ps, _mm512_unpackhi_ps, _mm512_shuffle_ps)
     /* then the 128-bit blocks, 4 x 4 */
     for (int j = 0; j < 4; j++) {
         const vec lo0 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0x44);
@@ -851,27 +860,10 @@ INLINE void transpose(vec r[16])
     }
 }
 #else
-#define VW 8
-typedef __m256 vec;
-typedef __m256i ivec;
-typedef __m256 lanes_mask;
-INLINE vec vzero(void) { return _mm256_setzero_ps(); }
-INLINE vec vset(float x) { return _mm256_set1_ps(x); }
-INLINE vec vload(const float *p) { return _mm256_loadu_ps(p); }
-INLINE void vstore(float *p, vec v) { _mm256_storeu_ps(p, v); }
-INLINE vec vbcast(const float *p) { return _mm256_broadcast_ss(p); }
-INLINE vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
-INLINE vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
-INLINE vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
-INLINE vec vdiv(vec a, vec b) { return _mm256_div_ps(a, b); }
-INLINE vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }
-INLINE vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 INLINE vec vexp(vec x) { return exp_approx8(x); }
 INLINE vec vload_bf16(const uint16_t *p) { return load_bf16_8(p); }
 INLINE void vstore_bf16(uint16_t *p, vec v) { store_bf16_8(p, v); }
 INLINE ivec iload(const int32_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
-INLINE ivec iset(int32_t x) { return _mm256_set1_epi32(x); }
-INLINE ivec iadd(ivec a, ivec b) { return _mm256_add_epi32(a, b); }
 /* (as above) */
 INLINE lanes_mask sees_window(ivec past, ivec below, int64_t t)
 {
@@ -884,6 +876,7 @@ INLINE vec masked_zero(vec x, lanes_mask m) { return _mm256_and_ps(x, m); }
 
 INLINE void transpose(vec r[8]) { transpose8(r); }
 #endif
+
 #define GROUP_CHUNKS (UPDATE_KEYS / VW) /* chunks of VW keys per softmax update */
 
 INLINE int64_t keys_padded(int64_t ctx) { return (ctx + VW - 1) / VW * VW; }
