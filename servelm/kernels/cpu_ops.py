@@ -4,6 +4,7 @@
     normed, x = ops.add_rms_norm(x, delta, weight, eps)
     ops.rotary_(qk, cos, signed_sin)          # in place
     h = ops.silu_and_mul(gate_up)
+    tokens = ops.argmax(logits)               # each row's largest value's index (float32)
 
 Each returns None for a tensor it does not take (another device or dtype, or an unusual
 layout), and the caller runs its torch ops instead: the layers stay correct on every device and
@@ -48,6 +49,8 @@ class CpuOps:
         self._norm, self._rotary, self._silu = (
             self.fns[n] for n in ("add_rms_norm", "rotary", "silu_and_mul")
         )
+        self._argmax = lib.argmax_rows_f32
+        self._argmax.argtypes, self._argmax.restype = [_ptr, _i64, _i64, _ptr], None
 
     @classmethod
     def load(cls, extra_flags: tuple[str, ...] = ()) -> CpuOps | None:
@@ -95,4 +98,13 @@ class CpuOps:
         T, two_i = gate_up.shape
         out = gate_up.new_empty((T, two_i // 2))
         fn(gate_up.data_ptr(), out.data_ptr(), T, two_i // 2)
+        return out
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x.max(dim=-1).indices for float32 x [B, V]: the first largest value's index in each
+        row (the first NaN's, where a row has one)."""
+        if x.dim() != 2 or not _fits(x, torch.float32) or x.shape[1] == 0:
+            return None
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        self._argmax(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
         return out

@@ -315,7 +315,7 @@ class ModelRunner:
                 row_of = {r.request_id: i for i, r in enumerate(sampled)}
                 batch.grammar_rows = [row_of[rid] for rid in so.grammar_bitmask.request_ids]
                 batch.grammar_bits = torch.from_numpy(so.grammar_bitmask.bits)
-            tokens, lps = sample(logits, batch)
+            tokens, lps = sample(logits, batch, self.model.cpu_ops)
         out = ModelRunnerOutput(
             {r.request_id: t for r, t in zip(sampled, tokens, strict=True)}, prompt_logprobs=scored
         )

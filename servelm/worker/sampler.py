@@ -16,11 +16,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from math import inf
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from servelm.engine.outputs import Logprobs, ScheduledRequest
+
+if TYPE_CHECKING:
+    from servelm.kernels.cpu_ops import CpuOps
 
 
 @dataclass
@@ -127,16 +131,20 @@ def filter_logits(logits: torch.Tensor, reqs: list[ScheduledRequest]) -> torch.T
     return logits
 
 
-def _argmax(x: torch.Tensor) -> torch.Tensor:
+def _argmax(x: torch.Tensor, ops: CpuOps | None = None) -> torch.Tensor:
     """The index of each row's largest value (the first, on ties), as `x.argmax(-1)` gives it:
-    torch's max reduction finds it 3x faster than its argmax on the CPU (16 x 49,152 logits,
-    two threads of the AMX Xeon: 0.17 against 0.50 ms, 2.5 % of a decode step;
-    docs/performance.md, session 26)."""
-    return x.max(dim=-1).indices
+    `cpu_ops.c` where the C kernels run (0.5 ms a decode step less than torch on the Zen 4;
+    docs/performance.md, session 31), else torch's max reduction, 3x faster than its argmax on
+    the AMX Xeon (16 x 49,152 logits: 0.17 against 0.50 ms; session 26)."""
+    found = ops.argmax(x) if ops is not None else None
+    return found if found is not None else x.max(dim=-1).indices
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[list[int], list[Logprobs | None]]:
-    """logits: float32 [B, V], one row per request in `batch` order."""
+def sample(
+    logits: torch.Tensor, batch: SamplingBatch, ops: CpuOps | None = None
+) -> tuple[list[int], list[Logprobs | None]]:
+    """logits: float32 [B, V], one row per request in `batch` order; `ops`: the C element-wise
+    kernels, where they run (the greedy pick)."""
     reqs = batch.requests
     if batch.grammar_rows:
         logits = apply_grammar_masks(logits, batch.grammar_rows, batch.grammar_bits)
@@ -151,7 +159,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[list[int], list[
         logits = mask_stop_tokens_before_min(logits.clone(), reqs)
 
     greedy = [r.sampling_params.greedy for r in reqs]
-    tokens = _argmax(logits)
+    tokens = _argmax(logits, ops)
     if not all(greedy):
         idx = [i for i, g in enumerate(greedy) if not g]
         sub_reqs = [reqs[i] for i in idx]
@@ -160,7 +168,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[list[int], list[
         noise = torch.empty_like(probs)
         for j, i in enumerate(idx):
             noise[j].exponential_(generator=batch.generators[i])
-        tokens[idx] = _argmax(probs / noise)
+        tokens[idx] = _argmax(probs / noise, ops)
 
     token_list = tokens.tolist()
     lps: list[Logprobs | None] = [None] * len(reqs)

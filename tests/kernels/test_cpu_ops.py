@@ -104,3 +104,31 @@ def test_shapes_that_disagree_are_declined(ops):
     assert ops.add_rms_norm(x, torch.zeros(2, 64), torch.ones(64), 1e-5) is None
     cos = torch.zeros(4, 1, 64)
     assert not ops.rotary_(torch.zeros(4, 2, 64), cos, cos[:2])
+
+
+@pytest.mark.parametrize("width", [49152, 1000, 7, 1])
+def test_argmax_picks_what_torchs_max_picks(ops, width):
+    # The sampler's greedy pick: the first index of each row's largest value, ties, -0 against
+    # +0, -inf rows and a NaN (which torch's max takes as the largest) included; widths that
+    # are and are not a multiple of the vector lanes.
+    x = randn(16, width, dtype=torch.float32, seed=width)
+    x[1] = x[1].round()  # many ties
+    x[2] = float("-inf")
+    x[3, :] = -1.0
+    x[3, width // 2] = 0.0
+    x[3, width - 1] = -0.0
+    x[4, width // 3] = float("nan")
+    x[5, -1] = x[5].max() + 1  # the largest in the scalar tail
+    x[6, 0] = x[6].max()  # a tie with the first element
+    x[7] = 0.0
+    got = ops.argmax(x)
+    want = x.max(dim=-1).indices
+    assert torch.equal(got, want), (got, want)
+    assert torch.equal(ops.argmax(x[:1]), want[:1])  # one row: no threads
+
+
+def test_argmax_declines_what_it_does_not_take(ops):
+    x = randn(4, 64, dtype=torch.float32)
+    assert ops.argmax(x.bfloat16()) is None
+    assert ops.argmax(x.t()) is None  # not contiguous
+    assert ops.argmax(x[0]) is None  # one dimension
