@@ -7,9 +7,9 @@ It takes steps of at most `max_rows` tokens (those whose matmuls read the int4 w
 `StepPaths.stack_max_rows`, every step where it is batch invariant; a GGUF file's own
 K-quant / Q8_0 projections, `GGUFWeight`, serve every step): decode steps and, where
 the C prefill attention runs (AMX tiles, AVX-512 or AVX2), prompt and mixed steps too. It
-returns what `model(input_ids, positions, attn)` returns for them, bit for bit: the C loop calls the very
-kernels the Python layers call, in the same order, and only leaves out the Python between them
-(which cost as much as the kernels at one token per request: docs/performance.md). Embedding,
+returns what `model(input_ids, positions, attn)` returns for them, bit for bit: the C loop calls
+the very kernels the Python layers call, in the same order, and only leaves out the Python
+between them (which cost as much as the kernels at one token per request: docs/performance.md). Embedding,
 rotary lookup, logits and sampling stay in Python. The attention metadata is the step's
 `attn.meta`, planned as usual; the loop attends it part by part (`_Part`): each run of
 consecutive decode rows in one call of the decode kernel (batch invariant: each decode row in a

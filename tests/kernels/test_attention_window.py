@@ -1,7 +1,8 @@
 """Per-layer attention options (issue #34) in every attention path: a sliding window, a scale
 of the model's own and tanh soft-capping, in the C decode kernel (every build), the C prefill
-kernel (its builds: AMX tiles, AVX-512 BF16, AVX-512, AVX2) and the torch path (SDPA with per-window masks, or the
-scores computed in float32 where soft-capping is on), against a float64 reference.
+kernel (its builds: AMX tiles, AVX-512 BF16, AVX-512, AVX2) and the torch path (SDPA with
+per-window masks, or the scores computed in float32 where soft-capping is on), against a
+float64 reference.
 
 Blocks wholly before every query's window may have been given back to the pool
 (engine/kv_cache), their table entries then naming another request's block: here they name a
