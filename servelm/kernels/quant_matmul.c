@@ -1499,7 +1499,7 @@ int64_t q4_tile_min_rows(void)
 }
 
 /* Whether q4 takes the tiles for B rows of x: q4_matmul_bf16 and q4_silu_matmul_bf16 alike. */
-static int on_tiles(int64_t B)
+INLINE int on_tiles(int64_t B)
 {
     const int64_t from = q4_tile_min_rows();
     return from && B >= from;
