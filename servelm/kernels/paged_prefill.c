@@ -99,6 +99,36 @@ INLINE void ahead_step(struct ahead *a, int64_t lines)
 #define VECTOR_TILES 1
 #endif
 
+#ifdef __AVX512F__
+/* 16 rows of 16 32-bit words, transposed in registers: r[j] word i <- r[i] word j. Unpacks
+ * transpose the 4 x 4 blocks within each 128-bit lane, then two rounds of lane shuffles move
+ * the blocks (16 gathers of one word per row did the same, about half of a decode's time in
+ * this kernel). */
+INLINE void transpose16(__m512i r[16])
+{
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 4; j++) {
+            t[8 * i + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + j + 4], 0x88);
+            t[8 * i + j + 4] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + j + 4], 0xdd);
+        }
+    for (int j = 0; j < 8; j++) {
+        r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+        r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+    }
+}
+#endif
+
 #ifdef TILED_PREFILL
 
 /* The tile registers configured for the calling thread (16 rows of 64 bytes each), and given
@@ -149,34 +179,6 @@ INLINE __m512 softcap_log2_512(__m512 x, float cap)
                                    _mm512_div_ps(_mm512_set1_ps(2.f),
                                                  _mm512_add_ps(e, _mm512_set1_ps(1.f))));
     return _mm512_mul_ps(t, _mm512_set1_ps(cap * 1.44269504f));
-}
-
-/* 16 rows of 16 32-bit words, transposed in registers: r[j] word i <- r[i] word j. Unpacks
- * transpose the 4 x 4 blocks within each 128-bit lane, then two rounds of lane shuffles move
- * the blocks (16 gathers of one word per row did the same, about half of a decode's time in
- * this kernel). */
-INLINE void transpose16(__m512i r[16])
-{
-    __m512i t[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) {
-        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-    }
-    for (int i = 0; i < 2; i++)
-        for (int j = 0; j < 4; j++) {
-            t[8 * i + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + j + 4], 0x88);
-            t[8 * i + j + 4] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + j + 4], 0xdd);
-        }
-    for (int j = 0; j < 8; j++) {
-        r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
-        r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
-    }
 }
 
 /* Software prefetch, chunks of KC keys ahead (0: none). A decode step reads its K and V from
@@ -773,26 +775,20 @@ static void attend_few(const uint16_t *q, int64_t q_stride, const uint16_t *k_ca
  * (tests/kernels/test_paged_prefill.py), and so the same greedy text. */
 #define UPDATE_KEYS 32 /* keys per softmax update (64 was no faster in 8 lanes) */
 
-/* The first two steps of transposing n rows of float32 (8 or 16 lanes) in place, the same in
- * both widths: afterwards, in each 128-bit block b of u[4a + j], column 4b + j of rows 4a .. 4a
- * + 3 */
-#define TRANSPOSE_IN_BLOCKS(n, r, t, u, unpacklo, unpackhi, shuffle)                            \
-    for (int i = 0; i < n; i += 2) {                                                           \
-        t[i] = unpacklo(r[i], r[i + 1]);                                                       \
-        t[i + 1] = unpackhi(r[i], r[i + 1]);                                                   \
-    }                                                                                          \
-    for (int i = 0; i < n; i += 4)                                                             \
-        for (int j = 0; j < 2; j++) {                                                          \
-            u[i + 2 * j] = shuffle(t[i + j], t[i + 2 + j], _MM_SHUFFLE(1, 0, 1, 0));           \
-            u[i + 2 * j + 1] = shuffle(t[i + j], t[i + 2 + j], _MM_SHUFFLE(3, 2, 3, 2));       \
-        }
-
 /* 8 x 8 float32 transposed in place: r[j] lane i <- r[i] lane j */
 INLINE void transpose8(__m256 r[8])
 {
     __m256 t[8], u[8];
-    TRANSPOSE_IN_BLOCKS(8, r, t, u, _mm256_unpacklo_ps, _mm256_unpackhi_ps, _mm256_shuffle_ps)
-    for (int i = 0; i < 4; i++) { /* then the two 128-bit blocks */
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4)
+        for (int j = 0; j < 2; j++) {
+            u[i + 2 * j] = _mm256_shuffle_ps(t[i + j], t[i + 2 + j], _MM_SHUFFLE(1, 0, 1, 0));
+            u[i + 2 * j + 1] = _mm256_shuffle_ps(t[i + j], t[i + 2 + j], _MM_SHUFFLE(3, 2, 3, 2));
+        }
+    for (int i = 0; i < 4; i++) {
         r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
         r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
     }
@@ -842,22 +838,15 @@ INLINE lanes_mask sees_window(ivec past, ivec below, int64_t t)
 INLINE vec masked_inf(vec x, lanes_mask m) { return _mm512_mask_blend_ps(m, vset(-INFINITY), x); }
 INLINE vec masked_zero(vec x, lanes_mask m) { return _mm512_maskz_mov_ps(m, x); }
 
-/* 16 x 16 float32 transposed in place: r[j] lane i <- r[i] lane j */
+/* 16 x 16 float32 transposed in place (transpose16's words) */
 INLINE void transpose(vec r[16])
 {
-    vec t[16], u[16];
-    TRANSPOSE_IN_BLOCKS(16, r, t, u, _mm512_unpacklo_ps, _mm512_unpackhi_ps, _mm512_shuffle_ps)
-    /* then the 128-bit blocks, 4 x 4 */
-    for (int j = 0; j < 4; j++) {
-        const vec lo0 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0x44);
-        const vec hi0 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0xee);
-        const vec lo1 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0x44);
-        const vec hi1 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0xee);
-        r[j] = _mm512_shuffle_f32x4(lo0, lo1, 0x88);
-        r[4 + j] = _mm512_shuffle_f32x4(lo0, lo1, 0xdd);
-        r[8 + j] = _mm512_shuffle_f32x4(hi0, hi1, 0x88);
-        r[12 + j] = _mm512_shuffle_f32x4(hi0, hi1, 0xdd);
-    }
+    __m512i w[16];
+    for (int i = 0; i < 16; i++)
+        w[i] = _mm512_castps_si512(r[i]);
+    transpose16(w);
+    for (int i = 0; i < 16; i++)
+        r[i] = _mm512_castsi512_ps(w[i]);
 }
 #else
 INLINE vec vexp(vec x) { return exp_approx8(x); }
@@ -980,17 +969,10 @@ static void group_sums(const float *k, const float (*qs)[256], int64_t D, int64_
         for (; c < groups; c++)                                                                   \
             chunk_sums(k + c * D * VW, qs, D, R, 1, out + c);                                     \
         break;
-#if VW == 8
-        SUMS_CASE(1, 4)
-        SUMS_CASE(2, 4)
+        SUMS_CASE(1, GROUP_CHUNKS)
+        SUMS_CASE(2, GROUP_CHUNKS)
         SUMS_CASE(3, 2)
         SUMS_CASE(4, 2)
-#else
-        SUMS_CASE(1, 2)
-        SUMS_CASE(2, 2)
-        SUMS_CASE(3, 2)
-        SUMS_CASE(4, 2)
-#endif
 #undef SUMS_CASE
     default: /* (5 and more) */
         for (; c < groups; c++)
