@@ -133,9 +133,9 @@ def filter_logits(logits: torch.Tensor, reqs: list[ScheduledRequest]) -> torch.T
 
 def _argmax(x: torch.Tensor, ops: CpuOps | None = None) -> torch.Tensor:
     """The index of each row's largest value (the first, on ties), as `x.argmax(-1)` gives it:
-    `cpu_ops.c` where the C kernels run (0.5 ms a decode step less than torch on the Zen 4;
-    docs/performance.md, session 31), else torch's max reduction, 3x faster than its argmax on
-    the AMX Xeon (16 x 49,152 logits: 0.17 against 0.50 ms; session 26)."""
+    `cpu_ops.c` where the C kernels run (16 x 49,152 logits on the Zen 4: 0.11 ms against
+    torch's 0.34-0.50; docs/performance.md, session 31), else torch's max reduction, 3x faster
+    than its argmax on the AMX Xeon (0.17 against 0.50 ms; session 26)."""
     found = ops.argmax(x) if ops is not None else None
     return found if found is not None else x.max(dim=-1).indices
 
