@@ -95,7 +95,8 @@ def build_app(
     async def tokenize(req: TokenizeRequest) -> JSONResponse:
         chat.check_model(req.model)
         if req.messages is not None:  # counted as a chat completion would count them
-            ids = await chat.encode_messages(req.messages, req.add_generation_prompt)
+            setup = chat.tool_setup(req)
+            ids = await chat.encode_messages(req.messages, req.add_generation_prompt, setup)
         elif req.prompt is not None:
             ids = await chat.encode(req.prompt, req.add_special_tokens, bounded=False)
         else:

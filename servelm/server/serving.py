@@ -148,6 +148,9 @@ class OpenAIServing:
     ) -> SamplingParams:
         """`prompt_logprobs`: how many top tokens the engine reports at each prompt position
         (None: the prompt is not scored); `echo`: max_tokens may be 0 (only the prompt)."""
+        if req.stream_options is not None and not req.stream:
+            message = "stream_options is only allowed when stream is true."
+            raise APIError(400, message, "stream_options")
         if req.stream_options is not None and req.stream_options.continuous_usage_stats:
             # (vLLM's usage in every chunk: not done here, so refused rather than ignored)
             message = "stream_options.continuous_usage_stats is not supported."

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from servelm.engine.outputs import Logprobs
 from servelm.server.errors import APIError
-from servelm.server.protocol import ROLES, ChatCompletionRequest, ChatMessage
+from servelm.server.protocol import ROLES, ChatCompletionRequest, ChatMessage, TokenizeRequest
 from servelm.server.serving import (
     OpenAIServing,
     cancel_on_disconnect,
@@ -30,7 +30,7 @@ from servelm.server.serving_tools import (
 )
 from servelm.server.sse import SSE_HEADERS
 from servelm.server.structured import checked_structure
-from servelm.text.chat_template import ChatTemplateError
+from servelm.text.chat_template import ChatTemplateError, with_template_roles
 from servelm.text.tool_prompt import prepare_messages
 
 
@@ -65,18 +65,22 @@ class ServingChat(OpenAIServing):
         super().__init__(state)
         self.tool_parser = server_parser(state.tool_call_parser, self.tokenizer.chat_template)
 
+    def tool_setup(self, req: ChatCompletionRequest | TokenizeRequest) -> ToolSetup | None:
+        """What the request's `tools`, `tool_choice` and `parallel_tool_calls` mean."""
+        return resolve(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser)
+
     async def encode_messages(
         self,
         messages: list[ChatMessage],
         add_generation_prompt: bool,
-        tools: list[dict[str, Any]] | None = None,
-        parallel_tool_calls: bool = True,
+        setup: ToolSetup | None = None,
     ) -> list[int]:
         """The prompt ids of a conversation (chat completions and /tokenize alike), tools and
         tool turns as `text/tool_prompt.py` writes them."""
-        msgs, tools = prepare_messages(
-            template_messages(messages), tools, self.tokenizer.chat_template, parallel_tool_calls
-        )
+        template = self.tokenizer.chat_template
+        msgs = with_template_roles(template_messages(messages), template)
+        tools, parallel = (setup.tools, setup.parallel) if setup else (None, True)
+        msgs, tools = prepare_messages(msgs, tools, template, parallel)
         try:
             return await self.encode_chat(msgs, add_generation_prompt, tools=tools)
         except ChatTemplateError as exc:
@@ -85,14 +89,13 @@ class ServingChat(OpenAIServing):
     async def create(self, req: ChatCompletionRequest, raw: Request):
         self.check_model(req.model)
         self.check_logprobs(req.top_logprobs, "top_logprobs")
+        if req.top_logprobs is not None and not req.logprobs:  # OpenAI's rule, not ignored
+            raise APIError(
+                400, "top_logprobs is only allowed when logprobs is true.", "top_logprobs"
+            )
         self.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
-        tools = resolve(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser)
-        prompt_ids = await self.encode_messages(
-            req.messages,
-            req.add_generation_prompt,
-            tools.tools if tools else None,
-            tools.parallel if tools else True,
-        )
+        tools = self.tool_setup(req)
+        prompt_ids = await self.encode_messages(req.messages, req.add_generation_prompt, tools)
         self.check_prompt_length(prompt_ids)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         structure = await constrain(tools, await checked_structure(req))
@@ -142,7 +145,7 @@ class ServingChat(OpenAIServing):
     def _logprobs_entry(self, lp: Logprobs) -> dict[str, Any]:
         def tok(t: int, v: float) -> dict[str, Any]:
             s = self.tokenizer.decode([t], skip_special_tokens=False)
-            return {"token": s, "logprob": v, "bytes": list(s.encode())}
+            return {"token": s, "logprob": v, "bytes": list(self.tokenizer.token_bytes(t))}
 
         entry = tok(lp.token_id, lp.logprob)
         entry["top_logprobs"] = [tok(t, v) for t, v in lp.top]

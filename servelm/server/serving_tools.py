@@ -94,6 +94,8 @@ def resolve(
         raise APIError(
             400, "tool_choice 'required' forces a call, but there are no tools.", "tool_choice"
         )
+    if tool_choice not in (None, "none") and tools is None:  # OpenAI's rule: nothing to choose
+        raise APIError(400, "tool_choice is only allowed when tools are given.", "tool_choice")
     if not tools or choice == "none":
         return None
     if choice == "required" or forced:  # the grammar writes hermes calls, whatever the model
@@ -154,6 +156,8 @@ def message_of(text: str, setup: ToolSetup | None) -> tuple[dict[str, Any], bool
         return {"role": "assistant", "content": text}, False
     parser = setup.new_parser()
     content, calls = tool_parsers.collect([*parser.feed(text), *parser.finish()])
+    if setup.forced:  # calls only: its text is the markup of a call cut short (max_tokens)
+        content = None
     if not calls:
         return {"role": "assistant", "content": content}, False
     tool_calls = [c.to_openai() for c in calls]
@@ -180,6 +184,8 @@ async def stream_tool_calls(
         events = parser.feed(delta.text)
         if delta.finished:
             events += parser.finish()
+        if setup.forced:  # calls only: text is the markup of a call cut short (max_tokens)
+            events = [e for e in events if not isinstance(e, str)]
         token_ids, logprobs = delta.token_ids, delta.logprobs  # go with the first piece
         for e in events:
             if isinstance(e, str):

@@ -53,6 +53,17 @@ def _compile(source: str):
     return env.from_string(source)
 
 
+def with_template_roles(
+    messages: list[dict[str, Any]], template: str | None
+) -> list[dict[str, Any]]:
+    """OpenAI's `developer` messages as `system` ones, unless the template knows the role: the
+    API defines them as the system prompt by another name, and a template that has never heard
+    of them would add its default system prompt and render them as a turn of their own."""
+    if template is not None and "developer" in template:
+        return messages
+    return [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
+
+
 def render_chat_template(
     template: str,
     messages: list[dict[str, Any]],

@@ -189,6 +189,55 @@ def test_n_choices_and_logprobs(client):
     assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
 
 
+def test_logprob_bytes_are_each_tokens_own(client):
+    # The tiny model, sampling, writes tokens that hold part of a character (their text alone
+    # is U+FFFD): their `bytes` are their own, the rest's those of their text.
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=CHAT,
+        max_tokens=32,
+        n=4,
+        seed=3,
+        temperature=1.0,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
+    entries = [e for c in r.choices for t in c.logprobs.content for e in (t, *t.top_logprobs)]
+    split = [e for e in entries if e.token == "\ufffd"]
+    assert split and all(e.bytes != list("\ufffd".encode()) for e in split)
+    assert all(e.bytes == list(e.token.encode()) for e in entries if e.token != "\ufffd")
+
+
+def test_developer_messages_are_the_system_prompt(server, client):
+    # OpenAI's `developer` role is `system` by another name; this template has never heard of
+    # it, so it gets the system turn the model knows.
+    def counted(role):
+        msgs = [{"role": role, "content": "Answer briefly."}, *CHAT]
+        r = httpx.post(server.url + "/tokenize", json={"messages": msgs}, timeout=30)
+        return r.json()["tokens"]
+
+    assert counted("developer") == counted("system") != counted("user")
+    msgs = [{"role": "developer", "content": "Answer briefly."}, *CHAT]
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=1)
+    assert r.usage.prompt_tokens == len(counted("system"))
+
+
+def test_tokenize_counts_tools_as_the_chat_does(server, client):
+    tool = {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}
+
+    def counted(**kw):
+        body = {"messages": CHAT, **kw}
+        return httpx.post(server.url + "/tokenize", json=body, timeout=30).json()["count"]
+
+    for kw in ({}, {"tool_choice": "none"}, {"tool_choice": "required"}):
+        r = client.chat.completions.create(
+            model="tiny", messages=CHAT, tools=[tool], max_tokens=1, **kw
+        )
+        assert counted(tools=[tool], **kw) == r.usage.prompt_tokens
+    assert counted(tools=[tool]) > counted(tools=[tool], tool_choice="none") == counted()
+
+
 def test_cached_tokens_on_repeated_long_prompt(client):
     long_prompt = "Paged attention stores keys and values in fixed-size blocks. " * 12
     client.completions.create(model="tiny", prompt=long_prompt, max_tokens=2)

@@ -218,6 +218,20 @@ def test_parallel_tool_calls_false_ends_a_forced_answer_after_one_call(client, s
     assert {c["name"] for c in many["calls"]} == {"get_time"}
 
 
+def test_a_forced_answer_cut_short_has_no_text(client):
+    # max_tokens ends the answer inside the markup, before or after the call's name is read:
+    # the markup is not the model's text, so it never reaches `content`.
+    kw = dict(model="tiny", messages=ASK, tools=[UNIT], tool_choice="required", temperature=0)
+    names = set()
+    for max_tokens in (1, 2, 5, 12, 20, 27, 29, 33, 40):  # one character a token
+        r = whole(client.chat.completions.create(max_tokens=max_tokens, **kw))
+        assert r["reason"] == "length" and r["content"] is None
+        names.update(c["name"] for c in r["calls"])
+        s = streamed(client.chat.completions.create(max_tokens=max_tokens, stream=True, **kw))
+        same_but_ids(s, {**r, "content": ""})
+    assert names == {"set_unit"}  # the later cuts fall after the name
+
+
 def test_forced_tool_choice_refuses_a_second_constraint_and_bad_schemas(client):
     kw = dict(model="tiny", messages=ASK, tool_choice="required")
     with pytest.raises(openai.BadRequestError, match="forces a tool call") as info:

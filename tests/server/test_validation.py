@@ -74,6 +74,14 @@ CASES = [
     # bounds the document states
     ("/completions", {"prompt": "hi", "n": 0}, "n", "got 0"),
     ("/completions", {"prompt": "hi", "guided_choice": []}, "guided_choice", "at least 1"),
+    # fields that mean nothing without another (OpenAI's rules): refused, never ignored
+    ("/chat/completions", {"messages": MSG, "top_logprobs": 2}, "top_logprobs", "logprobs is true"),
+    ("/chat/completions", {"messages": MSG, "stream_options": {"include_usage": True}},
+     "stream_options", "stream is true"),
+    ("/completions", {"prompt": "hi", "stream_options": {"include_usage": True}},
+     "stream_options", "stream is true"),
+    ("/chat/completions", {"messages": MSG, "tool_choice": "auto"}, "tool_choice", "tools are given"),
+    ("/tokenize", {"messages": MSG, "tool_choice": "auto"}, "tool_choice", "tools are given"),
 ]  # fmt: skip
 
 

@@ -105,3 +105,13 @@ def test_missing_template_is_chat_template_error(tiny_model_dir, tmp_path):
     tok = TextTokenizer(_folder_with_template(tiny_model_dir, tmp_path, None))
     with pytest.raises(ChatTemplateError):
         tok.encode_chat([{"role": "user", "content": "hi"}])
+
+
+def test_developer_is_system_unless_the_template_knows_it():
+    from servelm.text.chat_template import with_template_roles
+
+    msgs = [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    plain = "{% for m in messages %}{{ m['role'] }}{% endfor %}"
+    assert [m["role"] for m in with_template_roles(msgs, plain)] == ["system", "user"]
+    knows = "{% for m in messages %}{% if m['role'] == 'developer' %}D{% endif %}{% endfor %}"
+    assert with_template_roles(msgs, knows) == msgs

@@ -93,3 +93,44 @@ def test_default_encode_matches_transformers(default_model_dir, default_tok):
         assert default_tok.encode(text, False) == hf.encode(text, add_special_tokens=False), text
         ids = default_tok.encode(text)
         assert default_tok.decode(ids) == hf.decode(ids, skip_special_tokens=True), text
+
+
+def _sentencepiece_with_byte_fallback(folder) -> TextTokenizer:
+    """A Llama-2-style tokenizer: ▁ for spaces, any character outside the vocabulary as its
+    UTF-8 bytes' own tokens (<0xF0> ...)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {f"<0x{b:02X}>": b for b in range(256)}
+    for piece in ("<unk>", "\u2581", "H", "i", "e", "\u2581H", "\u2581Hi"):
+        vocab[piece] = len(vocab)
+    merges = [("\u2581", "H"), ("\u2581H", "i")]
+    tok = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Replace("\u2581", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    tok.save(str(folder / "tokenizer.json"))
+    return TextTokenizer(folder)
+
+
+def test_each_tokens_bytes_join_into_the_text(tiny_tok, tmp_path):
+    # OpenAI's logprob `bytes`: a token that holds part of a character has that part's bytes,
+    # where decoding it alone gives U+FFFD; joined, they are the text again.
+    for text in TEXTS:
+        ids = tiny_tok.encode(text, add_special_tokens=False)
+        assert b"".join(tiny_tok.token_bytes(i) for i in ids) == text.encode()
+    split = [i for i in tiny_tok.encode(TEXTS[1], False) if tiny_tok.decode([i]) == "\ufffd"]
+    assert split  # the emoji are split into tokens of part of a character
+    (im_end,) = tiny_tok.encode("<|im_end|>", False)  # a special token: its own text
+    assert tiny_tok.token_bytes(im_end) == b"<|im_end|>"
+
+    sp = _sentencepiece_with_byte_fallback(tmp_path)
+    ids = sp.encode("Hi 🌍 Hie", add_special_tokens=False)
+    assert sp.decode([ids[2]]) == "\ufffd"  # <0xF0>, the emoji's first byte
+    # (SentencePiece's ▁ before the first word is a space of the first token's)
+    assert b"".join(sp.token_bytes(i) for i in ids) == " Hi 🌍 Hie".encode()
