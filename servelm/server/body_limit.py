@@ -10,6 +10,7 @@ from __future__ import annotations
 from servelm.server.errors import send_error
 
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # a 128k-token context as text is about 0.5 MiB
+DRAIN_BYTES = 64 << 20  # the most of a refused body read (and dropped) so that its 413 arrives
 
 
 class BodyLimitMiddleware:
@@ -24,6 +25,7 @@ class BodyLimitMiddleware:
         headers = dict(scope.get("headers") or [])
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.limit:
+            await self._drain(receive, int(length))
             return await self._refuse(send)
         over, started, received = False, False, 0
 
@@ -50,7 +52,21 @@ class BodyLimitMiddleware:
             if not over:
                 raise
         if over and not started:
+            await self._drain(receive, None)
             await self._refuse(send)
+
+    async def _drain(self, receive, length: int | None) -> None:
+        """Reads what is left of the body and drops it: a socket closed with a body unread is
+        reset, and a client still sending (asyncio ones, curl) loses the 413 for a connection
+        error. Past DRAIN_BYTES the connection is closed as it is: refusing is the point."""
+        if length is not None and length > DRAIN_BYTES:
+            return
+        read = 0
+        while read <= DRAIN_BYTES:
+            message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body"):
+                return
+            read += len(message.get("body", b""))
 
     async def _refuse(self, send) -> None:
         message = f"The request body is over {self.limit} bytes."

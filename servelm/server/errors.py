@@ -91,9 +91,12 @@ def install_error_handlers(app: FastAPI) -> None:
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         if first.get("type") == "json_invalid":
             return error_response(400, "Request body is not valid JSON.", None)
+        got = first.get("input")
+        if not loc and isinstance(got, bytes):  # FastAPI leaves a body of another type unread
+            message = "The request body must be JSON, sent with Content-Type: application/json."
+            return error_response(400, message, None)
         param = loc[0] if loc else None
         message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}"
-        got = first.get("input")
         if str(first.get("type")).endswith("_type"):  # strict types: say what came instead
             message += f"; got {_json_type(got)}"
         elif isinstance(got, (int, float)) and not isinstance(got, bool):  # a bound: the value

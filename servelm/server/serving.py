@@ -373,17 +373,20 @@ async def collect(choices: Choices, n: int, num_prompt: int) -> Collected:
     lps: list[list[Logprobs]] = [[] for _ in range(n)]
     prompt_lps: list[list[Logprobs | None] | None] = [None] * n
     completion_tokens, cached = 0, 0
-    async for i, delta in choices:
-        if delta.prompt_logprobs is not None:
-            prompt_lps[i] = delta.prompt_logprobs
-        texts[i] += delta.text
-        completion_tokens += len(delta.token_ids)
-        cached = max(cached, delta.num_cached_tokens)
-        lps[i] += delta.logprobs or []
-        if delta.finished:
-            if delta.error:
-                raise APIError(500, delta.error)
-            reasons[i] = delta.finish_reason
+    try:
+        async for i, delta in choices:
+            if delta.prompt_logprobs is not None:
+                prompt_lps[i] = delta.prompt_logprobs
+            texts[i] += delta.text
+            completion_tokens += len(delta.token_ids)
+            cached = max(cached, delta.num_cached_tokens)
+            lps[i] += delta.logprobs or []
+            if delta.finished:
+                if delta.error:
+                    raise APIError(500, delta.error)
+                reasons[i] = delta.finish_reason
+    except EngineDeadError as exc:  # what a new request would hear, not an unexpected 500
+        raise APIError(503, f"The engine failed: {exc}", headers={"Retry-After": "5"}) from None
     return Collected(texts, reasons, lps, usage(num_prompt, completion_tokens, cached), prompt_lps)
 
 

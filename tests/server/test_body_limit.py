@@ -3,7 +3,10 @@ whether it says its length or comes in chunks, and the server goes on serving.""
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
+import openai
 import pytest
 
 from tests.live_server import LiveServer
@@ -44,6 +47,20 @@ def test_a_chunked_body_over_the_limit_is_413(small_limit):
         timeout=30,
     )
     assert_413(reply)
+
+
+def test_an_asyncio_client_still_sending_gets_its_413(small_limit):
+    # AsyncOpenAI (httpx on asyncio) writes the whole body before it reads: the 413 reaches it
+    # only if the server reads the body it refuses, instead of closing the socket on it.
+    async def main():
+        client = openai.AsyncOpenAI(base_url=small_limit.base_url, api_key="x", max_retries=0)
+        for _ in range(3):
+            with pytest.raises(openai.APIStatusError) as info:
+                await client.completions.create(model="tiny", prompt="word " * 300_000)
+            assert info.value.status_code == 413
+            assert info.value.body["code"] == "body_too_large"
+
+    asyncio.run(main())
 
 
 def test_under_the_limit_it_serves(small_limit):

@@ -3,6 +3,7 @@
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -29,6 +30,26 @@ def test_engine_death_ends_streams_and_turns_health_503(doomed_server):
     while srv.proc.poll() is None and time.time() < deadline:
         time.sleep(0.2)
     assert srv.proc.returncode == 1
+
+
+def test_engine_death_answers_a_waiting_request_503_on_a_connection_that_lives(doomed_server):
+    # Not streaming, the request has sent nothing yet: it hears 503 like a new request, and
+    # the client's keep-alive connection serves the next request (an unexpected 500 closed it).
+    srv = doomed_server
+    body = {"prompt": [7] * 50, "max_tokens": 3000, "ignore_eos": True}
+    with httpx.Client(base_url=srv.base_url, timeout=60) as client:
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(client.post, "/completions", json=body)
+            deadline = time.time() + 30
+            while srv.metrics().get("servelm:num_requests_running", 0) < 1:
+                assert time.time() < deadline and not pending.done()
+                time.sleep(0.05)
+            os.kill(srv.engine_pid(), signal.SIGKILL)
+            r = pending.result()
+        assert r.status_code == 503, r.text
+        assert "engine" in r.json()["error"]["message"] and r.headers["retry-after"]
+        again = client.post("/completions", json={"prompt": "hi"})  # the same connection
+        assert again.status_code == 503
 
 
 def engine_alive(pid: int) -> bool:

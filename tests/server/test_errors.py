@@ -115,6 +115,17 @@ def test_malformed_json_is_400(server):
     still_serving(server)
 
 
+@pytest.mark.parametrize("content_type", [None, "application/x-www-form-urlencoded", "text/plain"])
+def test_a_body_sent_as_another_type_is_400_saying_so(server, content_type):
+    # curl -d's default type, or none: the message says what to send, not "got an object"
+    headers = {"content-type": content_type} if content_type else {}
+    body = b'{"prompt": "hi", "max_tokens": 1}'
+    r = httpx.post(server.base_url + "/completions", content=body, headers=headers, timeout=30)
+    err = assert_error(r, 400)
+    assert "Content-Type: application/json" in err["message"], err
+    still_serving(server)
+
+
 def test_unknown_model_is_404(server):
     err = assert_error(
         post(server, "/chat/completions", {"model": "gpt-17", "messages": MSG}), 404, "model"
