@@ -42,6 +42,10 @@ class EngineDeadError(RuntimeError):
     """The engine-core process is gone; no request can be answered."""
 
 
+class RequestsStopped(RuntimeError):
+    """The server ended the request before it finished (its shutdown's grace ran out)."""
+
+
 class AsyncEngineClient:
     def __init__(self, args: EngineArgs, tokenizer: TextTokenizer, model_dir: str) -> None:
         self.args = args
@@ -205,6 +209,14 @@ class AsyncEngineClient:
         while self._proc.is_alive():
             await asyncio.sleep(0.2)
         self._fail_all(f"engine process exited with code {self._proc.exitcode}")
+
+    def stop_all(self, reason: str) -> None:
+        """Ends every in-flight request with `RequestsStopped(reason)`; each consumer aborts
+        its request in the engine as it hears it."""
+        if self._queues:
+            logger.warning("%s: stopping %d in-flight requests", reason, len(self._queues))
+        for queue in self._queues.values():
+            queue.put_nowait(RequestsStopped(reason))
 
     def _fail_all(self, reason: str) -> None:
         if self.dead_reason is None:

@@ -78,7 +78,7 @@ def run_engine_core(
     inputs.connect(input_addr)
     outputs = ctx.socket(zmq.PUSH)
     outputs.connect(output_addr)
-    trace = None
+    trace, ready = None, False
     try:
         bound_openmp_spin()
         from servelm.worker.executor import create_engine_core  # torch lives past this line
@@ -103,6 +103,7 @@ def run_engine_core(
                 ),
             )
         )
+        ready = True
         # Everything allocated so far (model, tokenizer tables) lives as long as the process:
         # keep it out of the garbage collector's generations so collections stay short. After
         # "ready": the collection (0.1 s here) overlaps the API process opening its port.
@@ -110,7 +111,11 @@ def run_engine_core(
         gc.freeze()
         _loop(core, inputs, outputs, api_pid, trace)
     except Exception as exc:  # report, then die: the API process turns this into errors + 503
-        logger.exception("engine core failed")
+        if isinstance(exc, ValueError) and not ready:
+            # a setting or model refused at start-up: the API process says so in one line
+            logger.debug("engine core refused to start", exc_info=True)
+        else:
+            logger.exception("engine core failed")
         outputs.send(encode("error", f"{type(exc).__name__}: {exc}"))
         raise SystemExit(1) from exc
     finally:

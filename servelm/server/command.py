@@ -66,6 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
+DRAIN_MARGIN = 0.5  # seconds before --shutdown-timeout that unfinished requests are ended
+
+
 class _Server(uvicorn.Server):
     """uvicorn's server, except that SIGTERM / Ctrl-C only start a graceful shutdown, and a
     second one (of either) during it stops at once.
@@ -74,10 +77,17 @@ class _Server(uvicorn.Server):
     stops the engine process and before it can exit 0.
     """
 
+    on_drain_deadline = None  # called a moment before the drain's timeout cuts what is left
+
     def handle_exit(self, sig: int, frame) -> None:
         if self.should_exit:  # already draining: a second signal means now
             logger.warning("second signal: stopping without waiting for in-flight requests")
             self.force_exit = True
+        elif self.on_drain_deadline and self.config.timeout_graceful_shutdown is not None:
+            # uvicorn cancels what still runs at the timeout, mid-chunk: end it first, with a
+            # 503 in-band, so each client hears why and every stream ends with [DONE]
+            deadline = max(0.0, self.config.timeout_graceful_shutdown - DRAIN_MARGIN)
+            asyncio.get_running_loop().call_later(deadline, self.on_drain_deadline)
         self.should_exit = True
 
     @contextlib.contextmanager
@@ -147,6 +157,9 @@ async def serve(args: argparse.Namespace) -> int:
         access_log=False,
     )
     server = _Server(config)
+    server.on_drain_deadline = lambda: engine.stop_all(
+        f"The server is shutting down: --shutdown-timeout {args.shutdown_timeout:g} s passed"
+    )
     logger.info(
         "engine ready in %.2f s; serving %s at http://%s:%d/v1",
         time.perf_counter() - t0,

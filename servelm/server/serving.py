@@ -20,7 +20,7 @@ from typing import Any
 
 from fastapi import Request
 
-from servelm.engine.client import AsyncEngineClient, EngineDeadError
+from servelm.engine.client import AsyncEngineClient, EngineDeadError, RequestsStopped
 from servelm.engine.output_processor import TextDelta
 from servelm.engine.outputs import Logprobs
 from servelm.engine.requests import default_sampling_params
@@ -387,6 +387,8 @@ async def collect(choices: Choices, n: int, num_prompt: int) -> Collected:
                 reasons[i] = delta.finish_reason
     except EngineDeadError as exc:  # what a new request would hear, not an unexpected 500
         raise APIError(503, f"The engine failed: {exc}", headers={"Retry-After": "5"}) from None
+    except RequestsStopped as exc:
+        raise APIError(503, str(exc), headers={"Retry-After": "5"}) from None
     return Collected(texts, reasons, lps, usage(num_prompt, completion_tokens, cached), prompt_lps)
 
 
@@ -433,6 +435,8 @@ async def stream_events(
             yield chunk([], usage=usage(num_prompt, completion_tokens, cached))
     except EngineDeadError as exc:
         yield error_event(503, f"The engine failed mid-stream: {exc}")
+    except RequestsStopped as exc:
+        yield error_event(503, str(exc))
     except Exception as exc:  # after the first byte an error can only go in-band
         yield error_event(500, f"{type(exc).__name__}: {exc}")
     yield DONE

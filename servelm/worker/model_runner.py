@@ -40,7 +40,13 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def resolve_device(name: str = "auto") -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        cause = (
+            "this torch build has no CUDA" if torch.version.cuda is None else "no GPU is visible"
+        )
+        raise ValueError(f"--device {name}: {cause}; use --device cpu or auto")
+    return device
 
 
 def resolve_dtype(name: str, spec: ModelSpec, device: torch.device) -> torch.dtype:

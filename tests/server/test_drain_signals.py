@@ -134,3 +134,48 @@ def test_a_second_signal_stops_at_once(default_model_dir):
         assert group_gone(server.proc.pid), "a process of the server was left behind"
     finally:
         server.stop(signal.SIGKILL)
+
+
+def test_streams_left_at_the_timeout_end_with_a_503_and_done(default_model_dir):
+    # --shutdown-timeout ends what is still running: each stream hears why, in-band, and ends
+    # with [DONE] (uvicorn alone would cut them mid-chunk, with a traceback each)
+    server = LiveServer(
+        default_model_dir,
+        "--served-model-name",
+        "default",
+        "--shutdown-timeout",
+        "3",
+        new_session=True,
+    )
+    body = {"prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+
+    def last_events(started: threading.Event, out: list) -> None:
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    out.append(line[6:])
+                    started.set()
+
+    try:
+        events: list[list[str]] = [[] for _ in range(2)]
+        threads = []
+        for out in events:
+            started = threading.Event()
+            threads.append(threading.Thread(target=last_events, args=(started, out)))
+            threads[-1].start()
+            assert started.wait(60), "no token arrived"
+        t0 = time.time()
+        os.killpg(server.proc.pid, signal.SIGTERM)
+        for t in threads:
+            t.join(30)
+        assert server.proc.wait(30) == 0 and time.time() - t0 < 10
+        for out in events:
+            assert out[-1] == "[DONE]", out[-3:]
+            error = json.loads(out[-2])["error"]
+            assert (
+                "shutting down" in error["message"] and "--shutdown-timeout 3" in error["message"]
+            )
+        assert "Traceback" not in server.log(), server.log()
+        assert group_gone(server.proc.pid), "a process of the server was left behind"
+    finally:
+        server.stop(signal.SIGKILL)
