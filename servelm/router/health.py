@@ -6,10 +6,12 @@ Breaker, per replica:
                              ^                                           |
                              +--- probe ok, once the cool-down is over --+
 
-A refused connection or an explicit 503 ejects at once (the replica said so); timeouts and
-other soft errors eject after `failure_threshold` in a row. The proxy reports what it sees
-too, so a dead replica leaves rotation on its first refused request, not the next probe.
-A replica ejected again soon after re-admission gets double the cool-down (up to a cap).
+A refused connection, an explicit 503 or a refused API key (401/403 on any probe) ejects at
+once (the replica said so); timeouts and other soft errors eject after `failure_threshold`
+in a row. The proxy reports what it sees too, so a dead replica leaves rotation on its first
+refused request, not the next probe. A replica ejected again soon after re-admission gets
+double the cool-down (up to a cap). A replica out of rotation shows no scraped load (unknown):
+its last figures, a stream it was running when it died say, would be stale.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ _WAITING = ("num_requests_waiting",)
 _RUNNING = ("num_requests_running",)
 _KV = ("kv_cache_usage_perc", "gpu_cache_usage_perc")
 _FLAP_WINDOW_S = 30.0
+# /health and /metrics are open on servelm and vLLM but /v1/models wants the key: probing all
+# three is what tells a replica that would answer every request with 401 from a healthy one.
+_KEY_REFUSED = frozenset({401, 403})
 
 
 def parse_load(text: str) -> tuple[float, float, float] | None:
@@ -56,6 +61,15 @@ def parse_load(text: str) -> tuple[float, float, float] | None:
 def auth_headers(replica: Replica, default_key: str | None) -> dict[str, str]:
     key = replica.api_key or default_key
     return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def key_refused(path: str, status: int, headers: dict[str, str]) -> str:
+    """The last_error for a probe the replica refused for want of the right API key."""
+    why = "refuses the router's API key" if headers else "wants an API key and the router sent none"
+    return (
+        f"{path} answered {status}: the replica {why}; "
+        "check --upstream-api-key (or the replica's api_key)"
+    )
 
 
 class HealthChecker:
@@ -119,6 +133,9 @@ class HealthChecker:
             return self.report_failure(r, f"connect failed: {exc}", definitive=True)
         except httpx.HTTPError as exc:
             return self.report_failure(r, f"health check failed: {type(exc).__name__}: {exc}")
+        if resp.status_code in _KEY_REFUSED:
+            reason = key_refused("/health", resp.status_code, headers)
+            return self.report_failure(r, reason, definitive=True)
         if resp.status_code != 200:
             return self.report_failure(
                 r, f"/health answered {resp.status_code}", definitive=resp.status_code == 503
@@ -126,8 +143,12 @@ class HealthChecker:
         metrics, models = await asyncio.gather(
             self._get(r, "/metrics", headers), self._get(r, "/v1/models", headers)
         )
+        for path, answer in (("/metrics", metrics), ("/v1/models", models)):
+            if answer is not None and answer.status_code in _KEY_REFUSED:
+                reason = key_refused(path, answer.status_code, headers)
+                return self.report_failure(r, reason, definitive=True)
         load = None
-        if metrics is not None:
+        if metrics is not None and metrics.status_code == 200:
             try:
                 load = parse_load(metrics.text)
             except ValueError:
@@ -135,23 +156,25 @@ class HealthChecker:
         if load is not None:
             r.on_scrape(*load)
         else:
-            r.waiting = r.running = None
+            r.forget_load()
         if models is not None and models.status_code == 200:
             r.models = _model_cards(models.json())
         self.report_success(r)
 
     async def _get(self, r: Replica, path: str, headers: dict[str, str]) -> httpx.Response | None:
+        """The answer whatever its status (None when the request failed): the caller needs
+        to tell a refused key (401/403) from a missing endpoint."""
         try:
-            resp = await self.client.get(r.url + path, headers=headers, timeout=self.timeout_s)
+            return await self.client.get(r.url + path, headers=headers, timeout=self.timeout_s)
         except httpx.HTTPError:
             return None
-        return resp if resp.status_code == 200 else None
 
     def report_failure(self, r: Replica, reason: str, definitive: bool = False) -> None:
         r.failures += 1
         r.last_error = reason
         if r.state is not ReplicaState.HEALTHY:
-            return  # pending or already ejected: stays out
+            r.forget_load()  # pending or already ejected: stays out, with no stale load
+            return
         if definitive or r.failures >= self.failure_threshold:
             now = time.monotonic()
             flapping = r.cooldown_s > 0 and now - r.admitted_at < _FLAP_WINDOW_S
@@ -160,6 +183,7 @@ class HealthChecker:
             )
             r.ejected_until = now + r.cooldown_s
             r.state = ReplicaState.EJECTED
+            r.forget_load()  # its last scrape (a stream it was running, say) is no longer true
             self.metrics.ejections.labels(r.url).inc()
             logger.warning("ejected %s for %.1f s: %s", r.url, r.cooldown_s, reason)
 

@@ -38,7 +38,7 @@ class Replica:
     state: ReplicaState = ReplicaState.PENDING
     draining: bool = False
     models: dict[str, dict[str, Any]] | None = None  # id -> model card; None = not known yet
-    # load as the replica reports it in /metrics (None = no metrics)
+    # load as the replica reports it in /metrics (None = no metrics, or out of rotation)
     waiting: float | None = None
     running: float | None = None
     kv_usage: float = 0.0
@@ -71,6 +71,12 @@ class Replica:
         self.fresh = 0
         self.scrape_epoch += 1
 
+    def forget_load(self) -> None:
+        """No current scrape (no metrics, or out of rotation): the load is unknown, not the
+        last figures seen; `load` falls back to the router's own in-flight count."""
+        self.waiting = self.running = None
+        self.kv_usage = 0.0
+
     def describe(self) -> dict[str, Any]:
         return {
             "url": self.url,
@@ -82,7 +88,7 @@ class Replica:
             "in_flight": self.in_flight,
             "waiting": self.waiting,
             "running": self.running,
-            "kv_usage": self.kv_usage,
+            "kv_usage": self.kv_usage if self.running is not None else None,  # None: unknown
             "load": self.load,
             "failures": self.failures,
             "last_error": self.last_error,

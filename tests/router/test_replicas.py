@@ -149,3 +149,72 @@ def test_a_slow_replica_does_not_delay_noticing_a_dead_one() -> None:
 
     ejected_after = asyncio.run(main())
     assert ejected_after is not None and ejected_after < 0.5  # the next interval, not the slow one
+
+
+def keyed_replica(wanted: dict[str, str | None]):
+    """A stand-in for `servelm serve --api-key`: /health and /metrics open, every other path
+    401 without `wanted["key"]`; it refuses connections once `wanted["key"]` is None (killed)."""
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if wanted["key"] is None:
+            raise httpx.ConnectError("refused", request=request)
+        if request.url.path == "/health":
+            return httpx.Response(200)
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text=SERVELM_METRICS)
+        if request.headers.get("authorization") != f"Bearer {wanted['key']}":
+            body = {"error": {"message": "Invalid or missing API key.", "code": "invalid_api_key"}}
+            return httpx.Response(401, json=body)
+        return httpx.Response(200, json={"object": "list", "data": [{"id": "m"}]})
+
+    return handler
+
+
+def test_a_replica_refusing_the_routers_key_stays_out_of_rotation() -> None:
+    wanted: dict[str, str | None] = {"key": "sk-rep"}
+
+    async def main() -> None:
+        client = httpx.AsyncClient(transport=httpx.MockTransport(keyed_replica(wanted)))
+        checker = HealthChecker(ReplicaSet(), client, RouterMetrics(), failure_threshold=3)
+        keyless = checker.replicas.add("http://keyless:1")  # no --upstream-api-key
+        wrong = checker.replicas.add("http://wrong:1", api_key="sk-wrong")
+        right = checker.replicas.add("http://right:1", api_key="sk-rep")
+        await checker.check_all()
+        # /health and /metrics answered 200, /v1/models 401: not admitted, and it says why
+        assert keyless.state is ReplicaState.PENDING and keyless.failures == 1
+        assert "/v1/models answered 401" in keyless.last_error
+        assert "sent none" in keyless.last_error and "--upstream-api-key" in keyless.last_error
+        assert wrong.state is ReplicaState.PENDING
+        assert "refuses the router's API key" in wrong.last_error
+        assert right.state is ReplicaState.HEALTHY and right.models == {"m": {"id": "m"}}
+        assert checker.replicas.candidates("m") == [right]  # traffic goes to the one that works
+        wanted["key"] = "sk-new"  # restarted with another key: out at once, not after 3 probes
+        await checker.probe(right)
+        assert right.state is ReplicaState.EJECTED and "401" in right.last_error
+        await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_an_ejected_replica_shows_no_stale_load() -> None:
+    wanted: dict[str, str | None] = {"key": "sk-rep"}
+
+    async def main() -> None:
+        client = httpx.AsyncClient(transport=httpx.MockTransport(keyed_replica(wanted)))
+        checker = HealthChecker(ReplicaSet(), client, RouterMetrics(), upstream_api_key="sk-rep")
+        r = checker.replicas.add("http://a:1")
+        await checker.probe(r)
+        seen = r.describe()
+        assert (seen["state"], seen["running"], seen["load"]) == ("healthy", 4.0, 6.0)
+        # one soft failure leaves it in rotation, with its load: a busy replica's stays counted
+        checker.report_failure(r, "the replica failed mid-stream")
+        assert r.describe()["running"] == 4.0
+        wanted["key"] = None  # killed
+        await checker.probe(r)
+        gone = r.describe()
+        assert gone["state"] == "ejected"
+        assert (gone["waiting"], gone["running"], gone["kv_usage"]) == (None, None, None)
+        assert gone["load"] == 0.0  # the router's own count: nothing open on it
+        await client.aclose()
+
+    asyncio.run(main())
