@@ -18,6 +18,7 @@ from servelm.engine.output_processor import TextDelta
 from servelm.engine.sampling_params import StructuredOutput
 from servelm.server.errors import APIError
 from servelm.server.structured import check_structure
+from servelm.structured.grammar import bound_integers, rebase_refs
 from servelm.text import tool_parsers
 from servelm.text.tool_prompt import template_handles_tools
 
@@ -103,6 +104,8 @@ def resolve(
     return ToolSetup(tools, parser, names, parallel is not False)
 
 
+# OpenAI: a function without `parameters` takes none (not any arguments at all).
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 # JSON in a forced call is compact, as in servelm's structured outputs: no whitespace can run on.
 _JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -111,13 +114,17 @@ def tool_grammar(tools: list[dict[str, Any]], only: str | None, parallel: bool) 
     """A Lark grammar (llguidance's, with `%json`) whose sentences are Hermes tool calls and
     nothing else: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, the
     arguments valid for that tool's parameter schema; one call, or one or more (parallel)."""
-    calls = []
-    for tool in tools:
+    calls, defs = [], {}
+    for i, tool in enumerate(tools):
         fn = tool["function"]
         if only is None or fn["name"] == only:
+            # Each tool's parameters live at #/$defs/tool_i, their own refs rebased there:
+            # pydantic's schemas point at their root's $defs, which is no longer the root.
+            params = fn.get("parameters", NO_PARAMETERS)
+            defs[f"tool_{i}"] = rebase_refs(params or {"type": "object"}, f"#/$defs/tool_{i}")
             properties = {
                 "name": {"const": fn["name"]},  # first: a stream names the call early
-                "arguments": fn.get("parameters") or {"type": "object"},
+                "arguments": {"$ref": f"#/$defs/tool_{i}"},
             }
             calls.append(
                 {
@@ -128,7 +135,8 @@ def tool_grammar(tools: list[dict[str, Any]], only: str | None, parallel: bool) 
                 }
             )
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    body = json.dumps({"x-guidance": _JSON_STYLE, **schema}, ensure_ascii=False)
+    schema = bound_integers({"x-guidance": _JSON_STYLE, "$defs": defs, **schema})
+    body = json.dumps(schema, ensure_ascii=False)
     start = 'start: call ("\\n" call)*' if parallel else "start: call"
     return f'{start}\ncall: "<tool_call>\\n" body "\\n</tool_call>"\nbody: %json {body}\n'
 

@@ -32,7 +32,7 @@ def requested_structure(req: Any) -> tuple[StructuredOutput, str] | None:
     field for a malformed one, or when two fields ask."""
     found: list[tuple[StructuredOutput, str]] = []
     response_format = getattr(req, "response_format", None)
-    if response_format:
+    if response_format is not None:
         spec = _response_format(response_format)
         if spec is not None:
             found.append((spec, "response_format"))
@@ -83,7 +83,7 @@ def _spec(kind: str, value: Any, param: str) -> StructuredOutput:
 
 
 def _response_format(response_format: dict[str, Any]) -> StructuredOutput | None:
-    kind = response_format.get("type", "text")
+    kind = response_format.get("type")  # required, as OpenAI's: never guessed
     if kind == "text":
         return None
     if kind == "json_object":
@@ -97,7 +97,9 @@ def _response_format(response_format: dict[str, Any]) -> StructuredOutput | None
         if schema is None:  # OpenAI's schema is optional: then any JSON object
             return StructuredOutput("json", ANY_JSON_OBJECT)
         return _spec("json", schema, "response_format")
-    message = f"response_format type must be text, json_object or json_schema; got {kind!r}."
+    message = f"response_format.type must be text, json_object or json_schema; got {kind!r}."
+    if kind is None:
+        message = "response_format.type is required: text, json_object or json_schema."
     raise APIError(400, message, "response_format")
 
 

@@ -21,6 +21,9 @@ from servelm.engine.sampling_params import StructuredOutput
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 SAFE_INTEGER = 2**53 - 1
+# Past a bound beyond SAFE_INTEGER: under int64's limit, and exact as a double, which llguidance
+# reads bounds as (-(2**63 - 2) becomes -2**63 there, and is refused)
+FAR_INTEGER = 9 * 10**18
 
 
 def to_grammar(spec: StructuredOutput) -> str:
@@ -49,18 +52,55 @@ def to_grammar(spec: StructuredOutput) -> str:
     raise ValueError(f"unknown structured output kind {spec.kind!r}")
 
 
+# Keywords whose values are JSON values, not schemas: left as they are (a const object keeps
+# its keys; a "$ref" inside one is text).
+_LITERALS = frozenset({"const", "enum", "default", "examples"})
+
+
 def bound_integers(schema: Any) -> Any:
-    """`schema` with every integer that has no lower (upper) bound given one at -+SAFE_INTEGER."""
+    """`schema` with every integer that has no lower (upper) bound given one at -+SAFE_INTEGER,
+    or at FAR_INTEGER where its other bound lies beyond that (a timestamp in nanoseconds)."""
     if isinstance(schema, list):
         return [bound_integers(item) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {key: bound_integers(value) for key, value in schema.items()}
-    if out.get("type") == "integer":
-        if "minimum" not in out and "exclusiveMinimum" not in out:
-            out["minimum"] = -SAFE_INTEGER
-        if "maximum" not in out and "exclusiveMaximum" not in out:
-            out["maximum"] = SAFE_INTEGER
+    out = {k: v if k in _LITERALS else bound_integers(v) for k, v in schema.items()}
+    kind = out.get("type")
+    if kind == "integer" or (isinstance(kind, list) and "integer" in kind and "number" not in kind):
+        low = out.get("minimum", out.get("exclusiveMinimum"))
+        high = out.get("maximum", out.get("exclusiveMaximum"))
+        if low is None and (cap := _cap(high, -1)) is not None:
+            out["minimum"] = cap
+        if high is None and (cap := _cap(low, 1)) is not None:
+            out["maximum"] = cap
+    return out
+
+
+def _cap(other: Any, sign: int) -> int | None:
+    """The bound for an integer's open side (sign +1: its maximum) given its other bound:
+    SAFE_INTEGER, or FAR_INTEGER past a bound beyond it (llguidance refuses a minimum of 1.6e18
+    with no maximum); None for a bound of another type (llguidance's to refuse)."""
+    if other is None:
+        return sign * SAFE_INTEGER
+    if not isinstance(other, (int, float)) or isinstance(other, bool):
+        return None
+    if sign * other <= SAFE_INTEGER:
+        return sign * SAFE_INTEGER
+    return sign * FAR_INTEGER
+
+
+def rebase_refs(schema: Any, base: str) -> Any:
+    """`schema` with each local `$ref` ("#..." ) moved under `base` ("#/$defs/x"): for a
+    schema placed at `base` inside another, whose own `#/$defs/...` and `#` would otherwise
+    point at the outer document's root."""
+    if isinstance(schema, list):
+        return [rebase_refs(item, base) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v if k in _LITERALS else rebase_refs(v, base) for k, v in schema.items()}
+    ref = out.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        out["$ref"] = base + ref[1:]
     return out
 
 

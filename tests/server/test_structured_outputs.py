@@ -150,6 +150,8 @@ def test_regex_choice_grammar_on_chat_and_completions(client):
         ({"guided_json": "{not json"}, "guided_json"),
         ({"guided_choice": []}, "guided_choice"),
         ({"response_format": {"type": "yaml"}}, "response_format"),
+        ({"response_format": {}}, "response_format"),  # OpenAI's type is required
+        ({"response_format": {"json_schema": {"name": "x", "schema": {}}}}, "response_format"),
         ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
     ],
 )

@@ -218,6 +218,41 @@ def test_parallel_tool_calls_false_ends_a_forced_answer_after_one_call(client, s
     assert {c["name"] for c in many["calls"]} == {"get_time"}
 
 
+def test_forced_calls_of_pydantic_tools_with_defs_and_of_tools_without_parameters(client):
+    # pydantic's schemas point into their own $defs (nested models, enums); a function that
+    # leaves out `parameters` takes none (OpenAI), not any arguments at all
+    import enum
+
+    from pydantic import BaseModel, Field
+
+    class Unit(str, enum.Enum):
+        c = "celsius"
+        f = "fahrenheit"
+
+    class Place(BaseModel):  # short: this model writes on as long as a schema lets it
+        city: str = Field(max_length=4)
+
+    class Forecast(BaseModel):
+        place: Place
+        unit: Unit
+        days: list[int] = Field(max_length=2)
+
+    tool = openai.pydantic_function_tool(Forecast)
+    assert "$defs" in tool["function"]["parameters"]
+    bare = {"type": "function", "function": {"name": "now"}}
+    kw = dict(model="tiny", messages=ASK, temperature=0, max_tokens=400)
+    r = whole(client.chat.completions.create(tools=[tool, bare], tool_choice="required", **kw))
+    assert r["reason"] == "tool_calls" and r["calls"], r
+    for call in r["calls"]:
+        if call["name"] == "Forecast":
+            Forecast.model_validate_json(call["arguments"])
+        else:
+            assert call == {**call, "name": "now", "arguments": "{}"}
+    only = {"type": "function", "function": {"name": "now"}}
+    r = whole(client.chat.completions.create(tools=[tool, bare], tool_choice=only, **kw))
+    assert [(c["name"], c["arguments"]) for c in r["calls"]] == [("now", "{}")]
+
+
 def test_a_forced_answer_cut_short_has_no_text(client):
     # max_tokens ends the answer inside the markup, before or after the call's name is read:
     # the markup is not the model's text, so it never reaches `content`.

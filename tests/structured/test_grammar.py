@@ -137,3 +137,47 @@ def test_unbounded_integers_get_json_safe_bounds():
     }
     assert schema["properties"]["a"] == {"type": "integer"}  # the caller's schema unchanged
     assert compile_error(StructuredOutput("json", json.dumps(schema))) is None
+
+
+def test_integer_bounds_leave_values_and_far_bounds_alone():
+    from servelm.structured.grammar import SAFE_INTEGER as SAFE
+    from servelm.structured.grammar import bound_integers
+
+    literal = {"type": "integer", "x": 1}
+    schema = {
+        "type": "object",
+        "properties": {
+            "const": {"const": literal},  # a value that looks like a schema: kept as it is
+            "enum": {"enum": [literal, {"type": "integer"}]},
+            "ns": {"type": "integer", "minimum": 1_600_000_000_000_000_000},  # nanoseconds
+            "low": {"type": "integer", "maximum": -(10**16)},
+            "maybe": {"type": ["integer", "null"]},
+        },
+    }
+    out = bound_integers(schema)["properties"]
+    assert out["const"] == {"const": literal} and out["enum"] == schema["properties"]["enum"]
+    assert out["ns"] == {
+        "type": "integer",
+        "minimum": 1_600_000_000_000_000_000,
+        "maximum": 9 * 10**18,
+    }
+    assert out["low"] == {"type": "integer", "maximum": -(10**16), "minimum": -9 * 10**18}
+    assert out["maybe"] == {"type": ["integer", "null"], "minimum": -SAFE, "maximum": SAFE}
+    assert compile_error(StructuredOutput("json", json.dumps(schema))) is None
+
+
+def test_refs_rebased_under_where_a_schema_is_placed():
+    from servelm.structured.grammar import rebase_refs
+
+    params = {
+        "type": "object",
+        "properties": {"unit": {"$ref": "#/$defs/Unit"}, "kids": {"items": {"$ref": "#"}}},
+        "$defs": {"Unit": {"enum": ["c", "f"]}},
+        "default": {"$ref": "#/not/a/schema"},
+    }
+    out = rebase_refs(params, "#/$defs/tool_0")
+    assert out["properties"]["unit"] == {"$ref": "#/$defs/tool_0/$defs/Unit"}
+    assert out["properties"]["kids"]["items"] == {"$ref": "#/$defs/tool_0"}
+    assert out["default"] == params["default"]
+    outer = {"$defs": {"tool_0": out}, "properties": {"arguments": {"$ref": "#/$defs/tool_0"}}}
+    assert compile_error(StructuredOutput("json", json.dumps(outer))) is None
