@@ -132,3 +132,32 @@ def test_scheduler_limits_that_would_admit_nothing_are_usage_errors(flag, value,
         build_parser(["serve"]).parse_args(["serve", "model", flag, value])
     assert exit_.value.code == 2
     assert f"argument {flag}: not an integer >= " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [("--max-tokens", "-1", "max_tokens must be non-negative"),
+     ("--temperature", "-1", "temperature must be non-negative"),
+     ("--temperature", "nan", "temperature must be a finite number"),
+     ("--top-p", "2", "top_p must be in (0, 1]"),
+     ("--top-k", "-5", "top_k must be -1 (off) or positive"),
+     ("--top-k", "few", "invalid int value: 'few'")],
+)  # fmt: skip
+def test_bad_sampling_flags_are_usage_errors(command, flag, value, message, capsys):
+    # checked as the engine checks them, while parsing: one line and exit 2, before the model
+    # loads, not a traceback after
+    argv = [command, *(["prompt"] if command == "generate" else []), flag, value]
+    with pytest.raises(SystemExit) as exit_:
+        build_parser(argv).parse_args(argv)
+    assert exit_.value.code == 2
+    assert f"argument {flag}: {message}" in capsys.readouterr().err
+
+
+def test_good_sampling_flags_parse():
+    argv = ["generate", "prompt", "--max-tokens", "0", "--temperature", "0", "--top-p", "1",
+            "--top-k", "-1", "--sampling-seed", "7"]  # fmt: skip
+    args = build_parser(argv).parse_args(argv)
+    assert (args.max_tokens, args.temperature, args.top_p, args.top_k, args.sampling_seed) == (
+        0, 0.0, 1.0, -1, 7
+    )  # fmt: skip

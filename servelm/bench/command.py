@@ -10,10 +10,8 @@ import argparse
 import asyncio
 import os
 
-from rich.console import Console
-
 from servelm.bench.config import BenchConfig
-from servelm.bench.report import RichProgress, print_report
+from servelm.bench.report import RichProgress, print_report, report_console
 from servelm.bench.results import Load
 from servelm.bench.runner import BenchError, run_benchmark
 from servelm.bench.stats import SLO
@@ -168,7 +166,7 @@ def _split(text: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    console = Console()
+    console = report_console()
     try:
         config = config_from_args(args)
     except ValueError as exc:

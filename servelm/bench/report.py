@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from types import TracebackType
 from typing import Any
 
@@ -27,6 +28,19 @@ SERVER_COLUMNS = (
     "load", "prefix\nhit rate", "peak\nKV use", "peak\nwaiting", "peak\nrunning",
     "preempt-\nions", "TTFT\np50 ms",
 )  # fmt: skip
+# The width of a report that does not go to a terminal: wider than any table it prints, so no
+# column is cut to fit (a file, a pipe or a CI log has no right edge to fit to).
+UNCUT_WIDTH = 1000
+
+
+def report_console() -> Console:
+    """The console `servelm bench` and `servelm simulate` print to. In a terminal rich fits it
+    to the window; elsewhere rich assumes 80 columns, and a table wider than that would have
+    its figures cut to "136,…" and its headers to "req…", so there it gets UNCUT_WIDTH. Asks
+    stdout itself, not rich's is_terminal, which FORCE_COLOR turns on in a CI log."""
+    if sys.stdout.isatty():
+        return Console()
+    return Console(width=UNCUT_WIDTH)
 
 
 class RichProgress:
@@ -164,7 +178,7 @@ def error_lines(result: BenchResult) -> list[str]:
 
 def print_report(result: BenchResult, console: Console | None = None) -> None:
     """Print the summary tables, capacity at SLO (for a sweep) and any errors."""
-    console = console or Console()
+    console = console or report_console()
     console.print(summary_table(result))
     server = server_table(result)
     if server is not None:

@@ -191,7 +191,8 @@ def load_results(path: str | Path) -> dict[str, Any]:
 
 
 def capacity_block(runs: list[RunResult], threshold: float) -> dict[str, Any] | None:
-    """The highest load level whose SLO attainment is at least `threshold` (None if none)."""
+    """Capacity at SLO: walking up the loads, the last level before the first whose SLO
+    attainment is below `threshold` (None if the lowest is; `stats.capacity_at_slo`)."""
     best = capacity_at_slo(
         [(run.load.value, run.summary["slo_attainment"]) for run in runs], threshold
     )

@@ -66,7 +66,9 @@ async def run_benchmark(
         chosen = tokenizer if tokenizer is not None else config.tokenizer
         workload = build_workload(config.workload, config.seed, chosen)
     except (OSError, ValueError, ImportError, RuntimeError) as exc:
-        hint = "" if chosen is not None else " (pass --tokenizer DIR)"
+        # only the synthetic prompts load the default model's tokenizer when none was given
+        default_tokenizer = chosen is None and config.workload.dataset is None
+        hint = " (pass --tokenizer DIR)" if default_tokenizer else ""
         raise BenchError(f"cannot build the workload: {exc}{hint}") from exc
     root, api_url = normalise_base_url(config.base_url)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)

@@ -114,7 +114,10 @@ def histogram_quantile(q: float, buckets: dict[float, float]) -> float | None:
 def server_report(
     before: Snapshot, after: Snapshot, peaks: dict[str, float] | None = None
 ) -> dict[str, Any]:
-    """Counter deltas, prefix-cache hit rate, TTFT median and gauge peaks of one run."""
+    """Counter deltas, prefix-cache hit rate, TTFT median and gauge peaks of one run.
+
+    `peaks` are the gauges polled during the run; None: none was polled, and the gauges' peaks
+    are None too, not the idle values scraped before and after it."""
     report: dict[str, Any] = {"metrics_prefix": after.prefix}
     for name in COUNTERS:
         if name in after.values:
@@ -126,19 +129,20 @@ def server_report(
     delta = {le: n - before.ttft_buckets.get(le, 0.0) for le, n in after.ttft_buckets.items()}
     median = histogram_quantile(0.5, delta)
     report["ttft_p50_ms"] = None if median is None else median * 1000
-    peaks = peaks or {}
     for name in GAUGES:
         seen = [s.values[name] for s in (before, after) if name in s.values]
-        if name in peaks:
+        if peaks is not None and name in peaks:
             seen.append(peaks[name])
-        report[f"peak_{name}"] = max(seen) if seen else None
+        report[f"peak_{name}"] = max(seen) if seen and peaks is not None else None
     return report
 
 
 class MetricsWatcher:
     """Scrapes {root}/metrics at start and stop and polls gauges in between.
 
-    If the first scrape finds no usable metrics the watcher stays idle and reports None.
+    If the first scrape finds no usable metrics the watcher stays idle and reports None. A run
+    shorter than the poll interval is never polled: it reports its counters, and None for the
+    gauges' peaks (a scrape at its end finds the requests done, "peak running 0").
     """
 
     def __init__(
@@ -154,6 +158,7 @@ class MetricsWatcher:
         self._interval_s = interval_s
         self._before: Snapshot | None = None
         self._peaks: dict[str, float] = {}
+        self._polled = False  # whether a poll of this run got a snapshot
         self._task: asyncio.Task[None] | None = None
 
     async def scrape(self) -> Snapshot | None:
@@ -165,7 +170,7 @@ class MetricsWatcher:
 
     async def start(self) -> None:
         self._before = await self.scrape()
-        self._peaks = {}
+        self._peaks, self._polled = {}, False
         if self._before is not None:
             self._task = asyncio.create_task(self._poll())
 
@@ -178,12 +183,15 @@ class MetricsWatcher:
         if self._before is None:
             return None
         after = await self.scrape()
-        return None if after is None else server_report(self._before, after, self._peaks)
+        if after is None:
+            return None
+        return server_report(self._before, after, self._peaks if self._polled else None)
 
     async def _poll(self) -> None:
         while True:
             await asyncio.sleep(self._interval_s)
             snapshot = await self.scrape()
+            self._polled = self._polled or snapshot is not None
             for name in GAUGES:
                 if snapshot is not None and name in snapshot.values:
                     value = snapshot.values[name]

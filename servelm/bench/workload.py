@@ -80,12 +80,21 @@ def sample_length(rng: random.Random, mean: int, dist: str, spread: float) -> in
     if dist == "fixed" or mean == 0:
         return mean
     if dist == "uniform":
-        low = max(1, round(mean * (1 - spread)))
+        low = shortest_length(mean, dist, spread)
         return rng.randint(low, max(low, round(mean * (1 + spread))))
     if dist == "lognormal":  # mu chosen so that the mean is `mean`
         mu = math.log(mean) - spread * spread / 2
         return max(1, round(rng.lognormvariate(mu, spread)))
     raise ValueError(f"unknown length distribution {dist!r}")
+
+
+def shortest_length(mean: int, dist: str, spread: float) -> int:
+    """The least `sample_length` can draw for these arguments."""
+    if dist == "fixed" or mean == 0:
+        return mean
+    if dist == "uniform":
+        return max(1, round(mean * (1 - spread)))
+    return 1  # lognormal: any length from 1 up
 
 
 class PromptBuilder:
@@ -242,8 +251,12 @@ class Workload:
 
 def load_dataset(path: str | Path) -> list[dict[str, Any]]:
     """Read JSONL lines of {"prompt": str} or {"messages": [...]}, each with optional max_tokens."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:  # named as the dataset: the caller's hints are about the tokenizer
+        raise ValueError(f"cannot read the dataset {path}: {exc.strerror or exc}") from None
     items = []
-    for lineno, line in enumerate(Path(path).read_text().splitlines(), start=1):
+    for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:

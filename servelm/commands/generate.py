@@ -4,17 +4,38 @@ from __future__ import annotations
 
 import argparse
 import logging
+from collections.abc import Callable
+from typing import Any
 
 from servelm.config import EngineArgs
 
 
+def sampling_value(name: str, parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse type for SamplingParams' `name`: `parse` the text, then check the value with
+    SamplingParams' own validation, so a bad value is a usage error (exit 2) at once, not a
+    traceback once the model has loaded."""
+
+    def check(text: str) -> Any:
+        from servelm.engine.sampling_params import InvalidParamError, SamplingParams
+
+        value = parse(text)  # a ValueError: argparse's "invalid int value: 'x'"
+        try:
+            SamplingParams(**{name: value})
+        except InvalidParamError as exc:
+            raise argparse.ArgumentTypeError(exc.message) from None
+        return value
+
+    check.__name__ = parse.__name__  # the type argparse names in "invalid ... value"
+    return check
+
+
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=None)
-    g.add_argument("--top-p", type=float, default=None)
-    g.add_argument("--top-k", type=int, default=None)
-    g.add_argument("--sampling-seed", type=int, default=None)
+    g.add_argument("--max-tokens", type=sampling_value("max_tokens", int), default=128)
+    g.add_argument("--temperature", type=sampling_value("temperature", float), default=None)
+    g.add_argument("--top-p", type=sampling_value("top_p", float), default=None)
+    g.add_argument("--top-k", type=sampling_value("top_k", int), default=None)
+    g.add_argument("--sampling-seed", type=sampling_value("seed", int), default=None)
 
 
 def sampling_overrides(args: argparse.Namespace) -> dict:

@@ -96,6 +96,14 @@ def _gb(n: float) -> str:
     return f"{n / GB:,.2f} GB"
 
 
+def _pool(pool: float) -> str:
+    """The KV pool; where weights and allowance leave none (the plan's kv_pool_bytes, usable -
+    weights - allowance, is negative), how much memory is missing instead of a negative size."""
+    if pool >= 0:
+        return _gb(pool)
+    return f"none: usable memory is {_gb(-pool)} short"
+
+
 def _rate(bytes_per_s: float) -> str:
     return f"{bytes_per_s / GB:g} GB/s" if bytes_per_s >= GB else f"{bytes_per_s / 1e6:g} MB/s"
 
@@ -140,7 +148,7 @@ def plan_table(p: Plan) -> Table:
             f"{_gb(p.gpu_memory_bytes)} x {p.gpu_memory_utilization:g} = {_gb(p.usable_bytes)}",
         ),
         ("Allowance", f"{_gb(p.allowance_bytes)} (activations, graphs)"),
-        ("KV cache pool", _gb(p.kv_pool_bytes)),
+        ("KV cache pool", _pool(p.kv_pool_bytes)),
         (
             "KV capacity",
             f"{p.kv_capacity_tokens:,} tokens = {p.kv_capacity_blocks:,} x {p.block_size}",

@@ -99,6 +99,15 @@ def blocks_per_request(tokens: int, block_size: int, window: int = 0) -> int:
     return -(-tokens // block_size)
 
 
+def context_length(model: ModelShape, max_model_len: int | None = None) -> int:
+    """`max_model_len`, or the model's whole context if None; a PlanError outside 1..the
+    model's context (`servelm simulate` holds to the same range)."""
+    max_len = model.max_context if max_model_len is None else max_model_len
+    if not 0 < max_len <= model.max_context:
+        raise PlanError(f"max_model_len {max_len} outside 1..{model.max_context} for {model.name}")
+    return max_len
+
+
 def plan(
     model: ModelShape,
     gpu: GpuSpec,
@@ -124,9 +133,7 @@ def plan(
     if block_size < 1 or typical_len < 1 or allowance_gb < 0:
         raise PlanError("block_size and typical_len must be positive, allowance non-negative")
     allowance_bytes = allowance_gb * GB
-    max_len = model.max_context if max_model_len is None else max_model_len
-    if not 0 < max_len <= model.max_context:
-        raise PlanError(f"max_model_len {max_len} outside 1..{model.max_context} for {model.name}")
+    max_len = context_length(model, max_model_len)
 
     q_heads, kv_heads = model.heads_per_gpu(tp)
     weights = model.weight_bytes(weight_dtype, tp)

@@ -8,7 +8,10 @@ servelm simulate --profile cpu.json --rate 1             # simulate with the fit
 servelm simulate --calibrate-trace steps.jsonl --calibrate-bench bench.json --num-blocks N
                                   # fit to a real server's steps (serve --step-trace) and bench
 
-Exit status: 0 on success, 2 on bad arguments or an unknown model / GPU / profile file.
+Exit status: 0 on success (requests the engine refuses are counted and a sample reason is
+printed), 2 on bad arguments, an unknown model / GPU / profile file, or a deployment that would
+refuse every request (a prompt beyond the context or the KV pool, as `servelm plan` refuses a
+--max-model-len beyond the model's).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from servelm.bench.report import server_table, summary_table
+from servelm.bench.report import error_lines, report_console, server_table, summary_table
 from servelm.bench.results import BenchResult, Load
 from servelm.bench.stats import SLO
 from servelm.bench.workload import LENGTH_DISTS, PRESETS, WorkloadSpec
@@ -165,7 +168,7 @@ def loads_from_args(args: argparse.Namespace) -> list[Load]:
 
 
 def run(args: argparse.Namespace) -> int:
-    console = Console()
+    console = report_console()
     try:
         profile_model = _profile_from_args(args, console)
         if (args.calibrate or args.calibrate_trace) and not (
@@ -324,3 +327,7 @@ def _print_result(result: BenchResult, console: Console) -> None:
         else:
             label = Load.from_dict(cap["load"]).label()
             console.print(f"capacity at SLO among the swept rates: [bold]{label}[/]")
+    # requests the engine refused (prompts beyond the context), with a sample reason, as
+    # `servelm bench` prints a server's refusals
+    for line in error_lines(result):
+        console.print(line, style="red", markup=False, highlight=False)

@@ -21,11 +21,13 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from servelm.bench.stats import SLO
-from servelm.bench.workload import WorkloadSpec
+from servelm.bench.workload import WorkloadSpec, shortest_length
 from servelm.config import EngineArgs
-from servelm.engine.scheduler import SchedulerConfig
+from servelm.engine.request import Request
+from servelm.engine.sampling_params import SamplingParams
+from servelm.engine.scheduler import Scheduler, SchedulerConfig
 from servelm.planner.catalog import get_gpu, resolve_model
-from servelm.planner.plan import plan
+from servelm.planner.plan import context_length, plan
 from servelm.planner.shapes import ModelShape
 from servelm.sim.roofline import DeviceProfile, ModelCost, gpu_profile
 
@@ -133,11 +135,14 @@ class Deployment:
 
 
 def resolve(config: SimConfig) -> Deployment:
-    """Look up the model and GPU, size the KV pool, build the per-replica scheduler config."""
+    """Look up the model and GPU, size the KV pool, build the per-replica scheduler config.
+
+    Raises ValueError for a max_model_len beyond the model's context (PlanError, as `servelm
+    plan` does) and where the engine would refuse every request of the workload."""
     shape = resolve_model(config.model)
     cost = ModelCost.from_shape(shape, config.dtype, config.kv_dtype, config.tp)
     profile = device_profile(config)
-    max_len = config.max_model_len or shape.max_context
+    max_len = context_length(shape, config.max_model_len)
     num_blocks = config.num_blocks or kv_blocks(config, shape, max_len)
     scheduler = SchedulerConfig(
         num_blocks=num_blocks,
@@ -147,7 +152,32 @@ def resolve(config: SimConfig) -> Deployment:
         enable_prefix_caching=config.enable_prefix_caching,
         policy=config.scheduling_policy,
     )
+    check_servable(config.workload, scheduler)
     return Deployment(config, shape, cost, profile, scheduler)
+
+
+def check_servable(workload: WorkloadSpec, scheduler: SchedulerConfig) -> None:
+    """Raise ValueError where the engine would refuse even the workload's shortest prompt: it
+    would then refuse them all, every level would serve nothing, and a capacity search would
+    probe rate after rate of refusals. The engine's own scheduler decides (its context is
+    max_model_len, or less where one sequence of it would not fit the KV pool)."""
+    least_input = shortest_length(workload.input_len, workload.len_dist, workload.len_spread)
+    shortest = max(1, workload.prefix_len + least_input)  # an empty prompt is sent as 1 token
+    pool = scheduler.num_blocks * scheduler.block_size
+    if shortest < min(scheduler.max_model_len, pool):
+        return  # within the context and the pool: taken (no need to build a KV pool to ask)
+    request = Request("shortest", [1] * shortest, SamplingParams(max_tokens=1))
+    try:
+        Scheduler(scheduler).add_request(request)
+    except ValueError as exc:
+        cap = ""
+        if pool < scheduler.max_model_len:
+            blocks = f"{scheduler.num_blocks:,} block{'s' if scheduler.num_blocks > 1 else ''}"
+            cap = (
+                f" The KV pool ({blocks} of {scheduler.block_size} tokens per replica) caps it "
+                f"below max_model_len {scheduler.max_model_len:,}."
+            )
+        raise ValueError(f"every request would be refused: {exc}{cap}") from None
 
 
 def scheduler_limits(config: SimConfig) -> dict[str, int]:
@@ -200,7 +230,7 @@ def kv_blocks(config: SimConfig, shape: ModelShape, max_len: int) -> int:
             config.kv_dtype,
             config.tp,
             config.gpu_memory_utilization,
-            min(max_len, shape.max_context),
+            max_len,
             config.allowance_gb,
             config.block_size,
         ).kv_capacity_blocks

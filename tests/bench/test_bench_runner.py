@@ -176,6 +176,27 @@ def test_bad_arguments_exit_2(tokenizer_dir: str) -> None:
     assert run(parse(["--tokenizer", tokenizer_dir, "--rate", "0"])) == 2
 
 
+def test_a_missing_dataset_is_named_without_the_tokenizer_hint(tmp_path: Path, capsys) -> None:
+    # a dataset needs no tokenizer: "(pass --tokenizer DIR)" would point the wrong way
+    missing = tmp_path / "missing.jsonl"
+    assert run(parse(["--dataset", str(missing), "--base-url", "http://127.0.0.1:9"])) == 2
+    printed = " ".join(capsys.readouterr().out.split())
+    assert f"cannot read the dataset {missing}: No such file or directory" in printed
+    assert "--tokenizer" not in printed
+
+
+def test_a_level_shorter_than_the_metrics_poll_has_no_peaks(
+    standin, word_tokenizer: Tokenizer
+) -> None:
+    # no poll lands in a level this short; the scrapes before and after it find it idle, so
+    # its gauges' peaks are unknown (None, "-" in the table), not "peak running 0"
+    cfg = config(standin.url, loads=(Load(concurrency=2),), metrics_interval_s=60.0)
+    result = asyncio.run(run_benchmark(cfg, tokenizer=word_tokenizer))
+    server = result.runs[0].server
+    assert server is not None and server["prompt_tokens"] == 40  # counters: deltas as ever
+    assert server["peak_num_requests_running"] is None
+
+
 def test_inter_arrival_gaps() -> None:
     rng = random.Random(0)
     poisson = [inter_arrival(rng, rate=4.0) for _ in range(20_000)]

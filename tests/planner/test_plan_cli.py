@@ -19,6 +19,15 @@ def test_table_output(capsys):
     assert "16 query, 2 KV" in out and "162" in out
 
 
+def test_a_pool_left_negative_is_shown_as_none_and_the_shortfall(capsys):
+    # 811.71 GB of weights + 2 GB allowance on 21.60 GB usable: the pool arithmetic is
+    # -792.11 GB, which is not a size
+    assert main(["plan", "llama-3.1-405b", "--gpu", "l4"]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "KV cache pool │ none: usable memory is 792.11 GB short" in out
+    assert "-792" not in out
+
+
 def test_folder_and_custom_gpu(tmp_path, capsys):
     config = {
         "model_type": "llama",

@@ -92,3 +92,57 @@ def test_scheduler_limits_default_to_what_is_simulated(tmp_path):
     assert limits() == (256, 2048, 0)
     assert limits("--max-num-batched-tokens", "8192") == (256, 8192, 0)
     assert limits("--max-prefill-admit-tokens", "512") == (256, 2048, 512)
+
+
+def test_tables_keep_every_figure_when_stdout_is_not_a_terminal(tmp_path, capsys):
+    # 4 sequences at a time against 50 req/s: TTFTs of minutes, a table wider than 80 columns;
+    # rich cut such figures to "663,…" when printing to a file, a pipe or a CI log
+    out = tmp_path / "sim.json"
+    argv = ["simulate", "--gpu", "l4", "--rate", "50", "--num-requests", "300",
+            "--max-num-seqs", "4", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    summary = load_results(out)["runs"][0]["summary"]
+    for dist, key in (("ttft_ms", "p50"), ("ttft_ms", "p99"), ("e2e_ms", "p50")):
+        assert summary[dist][key] > 100_000
+        assert f"{summary[dist][key]:,.0f}" in printed
+    assert "…" not in printed and "good" in printed and "req/s" in printed
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [(["--input-len", "200000"],
+      "every request would be refused: This model's maximum context length is 131072 tokens, "
+      "but the prompt has 200000 tokens."),
+     (["--num-blocks", "1"],
+      "the prompt has 500 tokens. The KV pool (1 block of 16 tokens per replica) caps it below "
+      "max_model_len 131,072."),
+     (["--input-len", "100", "--len-dist", "uniform", "--max-model-len", "50"],
+      "maximum context length is 50 tokens, but the prompt has 50 tokens"),
+     (["--max-model-len", "999999"], "max_model_len 999999 outside 1..131072 for llama-3.1-8b")],
+)  # fmt: skip
+@pytest.mark.parametrize("load", [["--rate", "2"], []])  # a level, or a capacity search
+def test_a_deployment_that_would_refuse_every_request_is_an_error(flags, message, load, capsys):
+    # every level would serve nothing ("0 ok / 20 fail", exit 0, no reason given), and a
+    # capacity search would probe rate after rate of refusals; --max-model-len beyond the
+    # model's context is refused as `servelm plan` refuses it
+    assert main(["simulate", "--num-requests", "20", *load, *flags]) == 2
+    printed = " ".join(capsys.readouterr().out.split())
+    assert printed.startswith("servelm simulate: ") and message in printed
+
+
+def test_requests_the_engine_refuses_are_counted_with_a_reason(capsys):
+    # prompts of 450 to 1,350 tokens against a 1,024-token context: some are refused (the
+    # server's 400), and the report says how many and why
+    argv = ["simulate", "--max-model-len", "1024", "--input-len", "900", "--len-dist", "uniform",
+            "--output-len", "10", "--rate", "2", "--num-requests", "20"]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    line = next(x for x in printed.splitlines() if "failed requests by status" in x)
+    refused = int(line.rsplit("400: ", 1)[1])
+    assert 0 < refused < 20
+    assert "e.g. This model's maximum context length is 1024 tokens, but the prompt has" in printed
+    # a pool that caps the context below the prompts' length only if it must: 1 block serves
+    # prompts of up to 15 tokens
+    assert main(["simulate", "--num-blocks", "1", "--input-len", "8", "--output-len", "4",
+                 "--rate", "2", "--num-requests", "5"]) == 0  # fmt: skip
