@@ -15,7 +15,8 @@ checks them again for callers of the Python API.
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from functools import cache
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     BaseModel,
@@ -77,7 +78,20 @@ class RequestBody(OpenAIModel):
         if found is not None:
             path, problem = found
             raise APIError(400, f"{'.'.join(path)} {problem}.", path[0])
+        if isinstance(data, dict):  # OpenAI's "... or null" fields: null asks for the default
+            nulls = [k for k in _null_means_default(cls) if k in data and data[k] is None]
+            data = {k: v for k, v in data.items() if k not in nulls} if nulls else data
         return data
+
+
+@cache
+def _null_means_default(model: type[BaseModel]) -> frozenset[str]:
+    """The fields of `model` that may be null but default to something else (`n`: 1)."""
+    return frozenset(
+        name
+        for name, f in model.model_fields.items()
+        if f.default is not None and type(None) in get_args(f.annotation)
+    )
 
 
 def _unrepresentable(value: Any, path: tuple[str, ...] = ()) -> tuple[tuple[str, ...], str] | None:
@@ -128,14 +142,14 @@ class SamplingFields(RequestBody):
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: int | None = Field(1, ge=1, le=MAX_N)  # null: the default (OpenAI: "integer or null")
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     priority: int = 0
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -181,13 +195,16 @@ class ChatCompletionRequest(SamplingFields):
     )  # fmt: skip
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     # tool calling (server/serving_tools.py)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # OpenAI's deprecated form of tools: accepted only to be refused by name (serving_chat)
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -203,7 +220,7 @@ class CompletionRequest(SamplingFields):
         str | list[str] | list[TokenId] | list[list[TokenId]], WrapValidator(_one_prompt_error)
     ]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False  # the text (and the logprobs) start with the prompt's
+    echo: bool | None = False  # the text (and the logprobs) start with the prompt's
     # accepted so that what servelm cannot honour is refused by name (serving_completion)
     suffix: str | None = None
     best_of: int | None = None

@@ -89,6 +89,10 @@ class ServingChat(OpenAIServing):
     async def create(self, req: ChatCompletionRequest, raw: Request):
         self.check_model(req.model)
         self.check_logprobs(req.top_logprobs, "top_logprobs")
+        for legacy in ("functions", "function_call"):
+            if getattr(req, legacy) is not None:
+                message = f"{legacy} is the deprecated form of tools; send tools and tool_choice."
+                raise APIError(400, message, legacy)
         if req.top_logprobs is not None and not req.logprobs:  # OpenAI's rule, not ignored
             raise APIError(
                 400, "top_logprobs is only allowed when logprobs is true.", "top_logprobs"

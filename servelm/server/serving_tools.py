@@ -100,7 +100,10 @@ def resolve(
     if not tools or choice == "none":
         return None
     if choice == "required" or forced:  # the grammar writes hermes calls, whatever the model
-        return ToolSetup(tools, "hermes", names, parallel is not False, True, forced)
+        # a named function is called exactly once (OpenAI's meaning, and what clients such as
+        # instructor read); `required` takes one or more unless parallel_tool_calls is false
+        parallel = parallel is not False and not forced
+        return ToolSetup(tools, "hermes", names, parallel, True, forced)
     return ToolSetup(tools, parser, names, parallel is not False)
 
 

@@ -82,6 +82,10 @@ CASES = [
      "stream_options", "stream is true"),
     ("/chat/completions", {"messages": MSG, "tool_choice": "auto"}, "tool_choice", "tools are given"),
     ("/tokenize", {"messages": MSG, "tool_choice": "auto"}, "tool_choice", "tools are given"),
+    ("/chat/completions", {"messages": MSG, "functions": [{"name": "f"}]}, "functions",
+     "send tools"),
+    ("/chat/completions", {"messages": MSG, "function_call": "auto"}, "function_call",
+     "send tools"),
 ]  # fmt: skip
 
 
@@ -89,6 +93,23 @@ CASES = [
 def test_nasty_input_is_an_openai_400_naming_the_field(server, path, body, param, says):
     err = assert_error(post(server, path, body), 400, param)
     assert says in err["message"], err
+
+
+def test_openai_nullable_fields_take_null_as_their_default(server):
+    # OpenAI types n, stream, logprobs and echo as "... or null"; clients that send every
+    # unset field as null must get the defaults, not a 400
+    chat = {"messages": MSG, "max_tokens": 2, "n": None, "stream": None, "logprobs": None}
+    r = post(server, "/chat/completions", chat)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1 and r.json()["choices"][0]["logprobs"] is None
+    plain = {"prompt": "hi", "max_tokens": 2, "temperature": 0}
+    r = post(server, "/completions", {**plain, "n": None, "stream": None, "echo": None})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"] == post(server, "/completions", plain).json()["choices"]
+    # (fields that are not OpenAI's nullable ones stay strict)
+    assert_error(
+        post(server, "/completions", {"prompt": "hi", "ignore_eos": None}), 400, "ignore_eos"
+    )
 
 
 def test_json_coercions_clients_rely_on_still_work(server, client):
