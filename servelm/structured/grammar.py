@@ -40,7 +40,7 @@ def to_grammar(spec: StructuredOutput) -> str:
             raise ValueError("a JSON schema is an object (or true / false)")
         return LLMatcher.grammar_from_json_schema(bound_integers(schema), defaults=JSON_OPTIONS)
     if spec.kind == "regex":
-        return LLMatcher.grammar_from_regex(spec.value)
+        return LLMatcher.grammar_from_regex(ascii_classes(spec.value))
     if spec.kind == "choice":
         choices = json.loads(spec.value)
         if not choices or not all(isinstance(c, str) and c for c in choices):
@@ -50,6 +50,46 @@ def to_grammar(spec: StructuredOutput) -> str:
     if spec.kind == "grammar":
         return llguidance.grammar_from("grammar", spec.value)  # Lark, or GBNF converted to it
     raise ValueError(f"unknown structured output kind {spec.kind!r}")
+
+
+# \d, \w and \s as ASCII, as a JSON schema's `pattern` reads them (ECMAScript) and vLLM's
+# default backend does: llguidance's regexes are Unicode's, where \d{3} lets a small model
+# write U+1FBF8 three times. Outside a class, and inside one (where only the positive ones fit).
+_ASCII_CLASSES = {"d": "0-9", "w": "0-9A-Za-z_", "s": "\\t\\n\\v\\f\\r "}
+
+
+def ascii_classes(regex: str) -> str:
+    r"""`regex` with \d, \w, \s (and \D, \W, \S outside brackets) spelled as ASCII sets."""
+    out, i, in_class = [], 0, False
+    while i < len(regex):
+        ch = regex[i]
+        if ch == "\\" and i + 1 < len(regex):
+            letter = regex[i + 1]
+            ascii_set = _ASCII_CLASSES.get(letter.lower())
+            if ascii_set is not None and in_class and letter.islower():
+                out.append(ascii_set)
+            elif ascii_set is not None and not in_class:
+                out.append(f"[{'' if letter.islower() else '^'}{ascii_set}]")
+            else:
+                out.append(regex[i : i + 2])  # any other escape, kept whole
+            i += 2
+            continue
+        if ch == "[" and not in_class:
+            in_class = True
+            out.append(ch)
+            if regex[i + 1 : i + 2] == "^":
+                out.append("^")
+                i += 1
+            if regex[i + 1 : i + 2] == "]":  # a ] first in a class is itself
+                out.append("]")
+                i += 1
+        elif ch == "]" and in_class:
+            in_class = False
+            out.append(ch)
+        else:
+            out.append(ch)
+        i += 1
+    return "".join(out)
 
 
 # Keywords whose values are JSON values, not schemas: left as they are (a const object keeps

@@ -102,7 +102,7 @@ def test_regex_choice_grammar_on_chat_and_completions(client):
     reply = chat(
         client, "A code?", max_tokens=20, extra_body={"structured_outputs": {"regex": regex}}
     )
-    assert re.fullmatch(regex, reply.choices[0].message.content)
+    assert re.fullmatch(regex, reply.choices[0].message.content, re.ASCII)  # \d: 0-9
     assert reply.choices[0].finish_reason == "stop"
 
     reply = chat(client, "Is the sky blue?", logprobs=True, top_logprobs=5,

@@ -181,3 +181,22 @@ def test_refs_rebased_under_where_a_schema_is_placed():
     assert out["default"] == params["default"]
     outer = {"$defs": {"tool_0": out}, "properties": {"arguments": {"$ref": "#/$defs/tool_0"}}}
     assert compile_error(StructuredOutput("json", json.dumps(outer))) is None
+
+
+def test_regex_classes_are_ascii_as_in_json_schema_patterns():
+    # llguidance reads \d as any Unicode digit (a small model wrote U+1FBF8 for \d{3})
+    from servelm.structured.grammar import ascii_classes
+
+    cases = {
+        r"\d{3}": r"[0-9]{3}",
+        r"[\d_]+": r"[0-9_]+",
+        r"\w\s": r"[0-9A-Za-z_][\t\n\v\f\r ]",
+        r"\D\W\S": r"[^0-9][^0-9A-Za-z_][^\t\n\v\f\r ]",
+        r"[^\s]": r"[^\t\n\v\f\r ]",
+        r"[]\d]": r"[]0-9]",  # a ] first in a class is itself
+        r"\\d\.\d": r"\\d\.[0-9]",  # an escaped backslash, then a d
+        r"\p{L}\d": r"\p{L}[0-9]",
+    }
+    for regex, ascii_regex in cases.items():
+        assert ascii_classes(regex) == ascii_regex, regex
+        assert compile_error(StructuredOutput("regex", regex)) is None
