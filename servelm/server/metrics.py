@@ -18,6 +18,9 @@ from prometheus_client import (
 
 from servelm.engine.outputs import SchedulerStats
 
+# How a request ends, as `request_success_total` labels it (vLLM's set; `error`: the engine's)
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
 _LATENCY_BUCKETS = (
     0.001,
     0.005,
@@ -38,7 +41,13 @@ _LATENCY_BUCKETS = (
     20.0,
     40.0,
     80.0,
+    160.0,  # vLLM's tail (to 2,560 s for TTFT, 7,680 s end to end): a long answer on a CPU
+    640.0,  # under load runs past 80 s, and quantiles would read it as 80
+    2560.0,
+    7680.0,
 )
+# Tokens per request (prompt, generation): 1, 2, 5, 10, ... 1e6, as vLLM's 1-2-5 series
+_TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5) if m * 10**e <= 10**6)
 _ITL_BUCKETS = (
     0.001,
     0.0025,
@@ -137,6 +146,34 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.prefill_time = Histogram(
+            p + "request_prefill_time_seconds",
+            "First schedule to first token (the prompt's compute, chunks and waits included).",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.decode_time = Histogram(
+            p + "request_decode_time_seconds",
+            "First token to last.",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.request_prompt_tokens = Histogram(
+            p + "request_prompt_tokens",
+            "Prompt tokens per finished request.",
+            labels,
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.request_generation_tokens = Histogram(
+            p + "request_generation_tokens",
+            "Generated tokens per finished request.",
+            labels,
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
         self.queue_time = Histogram(
             p + "request_queue_time_seconds",
             "Arrival to first schedule.",
@@ -174,8 +211,14 @@ class ServerMetrics:
             self.tpot,
             self.e2e,
             self.queue_time,
+            self.prefill_time,
+            self.decode_time,
+            self.request_prompt_tokens,
+            self.request_generation_tokens,
         ):
             m.labels(model_name)  # present (at zero) from the start, histograms included
+        for reason in FINISH_REASONS:  # so rate() sees each one's first increment too
+            self.success.labels(model_name, reason)
 
     def on_stats(self, stats: SchedulerStats) -> None:
         m = self.model_name
@@ -201,30 +244,40 @@ class RequestTimer:
         self.arrival = arrival
         self.first: float | None = None
         self.last: float | None = None
+        self.queued: float | None = None  # arrival to first schedule, as the engine says
         self.num_tokens = 0
 
     def on_tokens(self, now: float, num_tokens: int, queued_time: float | None = None) -> None:
         m, name = self.metrics, self.metrics.model_name
+        if queued_time is not None:  # (also on a prompt-only answer, max_tokens 0)
+            m.queue_time.labels(name).observe(queued_time)
+            self.queued = queued_time
         if num_tokens <= 0:
             return
         m.generation_tokens.labels(name).inc(num_tokens)
         if self.last is None:
             m.ttft.labels(name).observe(now - self.arrival)
+            if self.queued is not None:
+                m.prefill_time.labels(name).observe(max(0.0, now - self.arrival - self.queued))
             self.first = now
         else:
             m.itl.labels(name).observe(now - self.last)
-        if queued_time is not None:
-            m.queue_time.labels(name).observe(queued_time)
         self.last = now
         self.num_tokens += num_tokens
 
     def on_finish(self, now: float, reason: str, num_prompt_tokens: int) -> None:
+        """Once per request, however it ends: a client gone or an engine failure ends it as
+        `abort` or `error`, its prompt counted only if it was run (a token came)."""
         m, name = self.metrics, self.metrics.model_name
         m.e2e.labels(name).observe(now - self.arrival)
         if self.num_tokens > 1:  # (a one-token answer has no time per output token)
             tpot = (self.last - self.first) / (self.num_tokens - 1)
             m.tpot.labels(name).observe(tpot)
+        if self.first is not None:
+            m.decode_time.labels(name).observe(self.last - self.first)
         m.prompt_tokens.labels(name).inc(num_prompt_tokens)
+        m.request_prompt_tokens.labels(name).observe(num_prompt_tokens)
+        m.request_generation_tokens.labels(name).observe(self.num_tokens)
         m.success.labels(name, reason).inc()
 
 

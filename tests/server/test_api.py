@@ -333,6 +333,17 @@ def test_concurrent_streams_exact_lengths_and_metrics_agree(server):
         - before["servelm:time_to_first_token_seconds_count"]
         == 32
     )
+    # vLLM's per-request histograms: one sample each, the tokens summing to the counters
+    grew = {k: after[k] - before[k] for k in after if k.startswith("servelm:request_")}
+    assert grew["servelm:request_prompt_tokens_sum"] == prompt
+    assert grew["servelm:request_generation_tokens_sum"] == gen
+    for name in (
+        "prompt_tokens",
+        "generation_tokens",
+        "prefill_time_seconds",
+        "decode_time_seconds",
+    ):
+        assert grew[f"servelm:request_{name}_count"] == 32, name
 
 
 def test_tokenize_detokenize_version(server, tokenizer):

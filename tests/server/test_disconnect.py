@@ -52,3 +52,31 @@ def test_disconnect_non_streaming_aborts(long_server):
     except httpx.ReadTimeout:
         pass
     assert wait_for(lambda: server.metrics()["servelm:num_requests_running"] == 0, 1.5)
+
+
+def test_a_request_whose_client_went_away_is_counted_as_aborted(long_server):
+    # Served until the client left: its prompt, its end-to-end time and an `abort` end count
+    # like any other request's (operators' throughput and latency panels would miss it).
+    server = long_server
+    aborted = "servelm:request_success_total{finished_reason=abort}"
+    before = server.metrics()
+    assert aborted in before  # present at zero from the start: rate() sees its first one
+    body = {"prompt": [5] * 150, "max_tokens": 3500, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.base_url + "/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        seen = 0
+        while seen < 3:
+            seen += next(lines).startswith("data: {")
+
+    def counted() -> bool:
+        return server.metrics()[aborted] == before[aborted] + 1
+
+    assert wait_for(counted, 2.0)
+    after = server.metrics()
+    for name, grew in [
+        ("servelm:prompt_tokens_total", 150),
+        ("servelm:e2e_request_latency_seconds_count", 1),
+        ("servelm:request_prompt_tokens_count", 1),
+        ("servelm:request_decode_time_seconds_count", 1),
+    ]:
+        assert after[name] - before[name] == grew, name

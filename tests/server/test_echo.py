@@ -254,3 +254,11 @@ def test_every_request_field_is_read_or_refused(server):
             f"request field {name!r} is accepted but nothing in servelm/server reads it: "
             "implement it or refuse it by name (REFUSED)"
         )
+
+
+def test_a_prompt_only_answer_has_its_queue_time_counted(server, client):
+    # max_tokens 0 finishes with no token: its time in the queue is still a sample
+    name = "servelm:request_queue_time_seconds_count"
+    before = server.metrics()[name]
+    client.completions.create(model="tiny", prompt=PROMPT, max_tokens=0, echo=True)
+    assert server.metrics()[name] == before + 1
