@@ -66,32 +66,82 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt together (one continuous batch); results in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """Generate for every prompt together (one continuous batch); results in prompt order.
+
+        Every prompt and its parameters are checked before any runs (a ValueError or TypeError
+        naming the prompt); if anything fails or is interrupted (Ctrl-C) part-way, what was
+        started is aborted, so the next call starts clean."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
             prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # (a generator too)
         if sampling_params is None:
             sampling_params = self.default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
+        sampling_params = list(sampling_params)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(
+                f"{len(prompts)} prompts but {len(sampling_params)} sampling params: give one, "
+                "or one per prompt"
+            )
+        requests = [
+            (self._prompt_ids(i, prompt), self._checked_params(i, params))
+            for i, (prompt, params) in enumerate(zip(prompts, sampling_params, strict=True))
+        ]
         results: list[RequestOutput] = []
         by_child: dict[str, tuple[RequestOutput, CompletionOutput]] = {}
-        for i, (prompt, params) in enumerate(zip(prompts, sampling_params, strict=True)):
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            rid = f"offline-{next(self._ids)}"
-            result = RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids, [])
-            for j, req in enumerate(
-                child_requests(
-                    rid, ids, params, self.tokenizer.eos_token_ids, priority[i] if priority else 0
-                )
-            ):
-                completion = CompletionOutput(index=j)
-                result.outputs.append(completion)
-                by_child[req.request_id] = (result, completion)
-                self.processor.add_request(req.request_id, req.sampling_params)
-                self.engine.add_request(req)
-            results.append(result)
-        self._run(by_child)
+        try:
+            for i, (prompt, (ids, params)) in enumerate(zip(prompts, requests, strict=True)):
+                rid = f"offline-{next(self._ids)}"
+                result = RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids, [])
+                eos = self.tokenizer.eos_token_ids
+                for j, req in enumerate(
+                    child_requests(rid, ids, params, eos, priority[i] if priority else 0)
+                ):
+                    completion = CompletionOutput(index=j)
+                    result.outputs.append(completion)
+                    self.engine.add_request(req)  # (a prompt over the context: ValueError)
+                    by_child[req.request_id] = (result, completion)
+                    self.processor.add_request(req.request_id, req.sampling_params)
+                results.append(result)
+            self._run(by_child)
+        except BaseException:
+            self._abort(list(by_child))
+            raise
         return results
+
+    def _prompt_ids(self, i: int, prompt: Any) -> list[int]:
+        """A prompt's token ids, checked as the server checks them (never an empty prompt or an
+        id outside the vocabulary, which the model would index with)."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, Sequence) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            ids = list(prompt)
+        else:
+            raise TypeError(f"prompt {i} must be a string or a list of token ids (integers)")
+        if not ids:
+            raise ValueError(f"prompt {i} is empty")
+        vocab = self.tokenizer.vocab_size
+        if not 0 <= min(ids) <= max(ids) < vocab:
+            bad = next(t for t in ids if not 0 <= t < vocab)
+            raise ValueError(f"prompt {i}: token ids must be in [0, {vocab}), got {bad}")
+        return ids
+
+    @staticmethod
+    def _checked_params(i: int, params: Any) -> SamplingParams:
+        if not isinstance(params, SamplingParams):
+            kind = type(params).__name__
+            raise TypeError(f"sampling params {i} must be a SamplingParams, got {kind}")
+        return params
+
+    def _abort(self, request_ids: list[str]) -> None:
+        self.engine.abort_requests(request_ids)
+        for rid in request_ids:
+            self.processor.remove(rid)
 
     def chat(
         self,

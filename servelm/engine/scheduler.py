@@ -73,6 +73,8 @@ class Scheduler:
         # The whole sequence must fit the context and, alone, the KV pool (else it never runs);
         # with a window it holds only the blocks its window and a step's chunk reach.
         config = self.config
+        if request.num_prompt_tokens < 1:  # nothing to attend from: the kernels divide by it
+            raise ValueError("the prompt must not be empty")
         max_len = config.max_model_len
         if self.kv.blocks_needed(max_len, config.max_num_batched_tokens) > config.num_blocks:
             max_len = min(max_len, config.num_blocks * config.block_size)

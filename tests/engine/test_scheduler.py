@@ -211,3 +211,11 @@ def test_limits_that_would_schedule_nothing_are_refused(limit):
     (name,) = limit
     with pytest.raises(ValueError, match=f"{name} must be >= "):
         make(**limit)
+
+
+def test_an_empty_prompt_is_refused_not_scheduled():
+    # nothing to attend from: it would reach the kernels as a zero-length sequence
+    s = make()
+    with pytest.raises(ValueError, match="empty"):
+        s.add_request(req("empty", 0))
+    assert not s.has_unfinished_requests()
