@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 from servelm.engine.request import Request
-from servelm.engine.sampling_params import INT64, SamplingParams
+from servelm.engine.sampling_params import INT64, InvalidParamError, SamplingParams
 from servelm.text.tokenizer import TextTokenizer
+
+logger = logging.getLogger("servelm")
 
 
 def default_sampling_params(tokenizer: TextTokenizer, **overrides) -> SamplingParams:
@@ -21,10 +24,30 @@ def default_sampling_params(tokenizer: TextTokenizer, **overrides) -> SamplingPa
             ("top_k", d.top_k),
             ("repetition_penalty", d.repetition_penalty),
         )
-        if v is not None
+        if v is not None and _usable_default(k, v)
     }
     base.update({k: v for k, v in overrides.items() if v is not None})
     return SamplingParams(**base)
+
+
+_REFUSED_DEFAULTS: set[str] = set()
+
+
+def _usable_default(name: str, value: object) -> bool:
+    """Whether SamplingParams takes generation_config.json's `value` for `name`: a model folder's
+    bad default ("temperature": "hot") is left out with a warning, not a 500 on every request
+    that relies on it, nor a 400 blaming the client for a field it never sent."""
+    try:
+        SamplingParams(**{name: value})
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    except (InvalidParamError, TypeError, ValueError):
+        ok = False
+    if not ok and name not in _REFUSED_DEFAULTS:
+        _REFUSED_DEFAULTS.add(name)
+        logger.warning(
+            "generation_config.json: %s = %r is not a usable default; ignored", name, value
+        )
+    return ok
 
 
 def child_requests(
