@@ -41,7 +41,9 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from servelm.store.fetch import ModelSpecError
+    from servelm.commands import CommandError
+    from servelm.model.config import ModelConfigError
+    from servelm.store.errors import ModelFileError, ModelSpecError
 
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
@@ -50,6 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     except ModelSpecError as exc:  # a bad model path or id: the message says it all
         print(f"servelm {args.command}: {exc}", file=sys.stderr)
         return 2
+    except (ModelFileError, ModelConfigError, CommandError) as exc:
+        # a model or setting refused at start-up, named in the message: one line and exit 1,
+        # as `servelm serve` ends when its engine process refuses one
+        print(f"servelm {args.command}: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -54,6 +54,33 @@ def bounded_int(least: int, most: int | None = None, error: str = "not an intege
 # A TCP port: 0 (any free one) to 65535
 port_number = bounded_int(0, 65535, "not a port ({least}-{most})")
 
+# The engine's sizes: 0 or less would fail only once the model has loaded (a block size of 0
+# divides by it), or, for --max-model-len 0, quietly mean "the model's context"
+positive_int = bounded_int(1)
+
+# The devices the engine runs on. torch knows more names ("mps", "xpu"), but only fails on them,
+# or on a typo, once the model is loading; whether this build has CUDA is for the engine to say
+# (importing torch here would slow every command's start).
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def device_name(text: str) -> str:
+    """The argparse type of --device."""
+    if not _DEVICE.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"not a device (auto, cpu, cuda or cuda:N): {text!r}")
+    return text
+
+
+def fraction(text: str) -> float:
+    """An argparse type: a number in (0, 1] (a share of the GPU's memory)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")  # fails the test below
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"not a number in (0, 1]: {text!r}")
+    return value
+
 
 def scheduler_limit(name: str):
     """The argparse type of a scheduler limit's flag (`SCHEDULER_LEAST`)."""
@@ -124,7 +151,9 @@ class EngineArgs:
             "bfloat16; lossy unless the weights are 4-bit already); auto: int4 only when "
             "lossless, as for a Q4_1 GGUF such as the default model",
         )
-        g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
+        g.add_argument(
+            "--device", type=device_name, default="auto", help="auto, cpu, cuda, cuda:1 ..."
+        )
         g.add_argument(
             "--kernels",
             default="auto",
@@ -155,7 +184,12 @@ class EngineArgs:
             "after preemption (the C kernels on the CPU; default); --no-batch-invariant picks "
             "kernels by the step's size for speed (docs/performance.md)",
         )
-        g.add_argument("--max-model-len", type=int, default=None)
+        g.add_argument(
+            "--max-model-len",
+            type=positive_int,
+            default=None,
+            help="tokens a sequence may hold, prompt and output (default: the model's context)",
+        )
         g.add_argument("--max-num-seqs", type=scheduler_limit("max_num_seqs"), default=64)
         g.add_argument(
             "--max-num-batched-tokens",
@@ -170,20 +204,20 @@ class EngineArgs:
             "this (a prompt admitted is not cut short for it); 0: up to the step budget "
             f"(default: {CPU_PREFILL_ADMIT_TOKENS} on a CPU, 0 on a GPU)",
         )
-        g.add_argument("--block-size", type=int, default=16)
+        g.add_argument("--block-size", type=positive_int, default=16)
         g.add_argument(
             "--kv-cache-memory",
             type=parse_size,
             default=None,
             help="KV cache budget, e.g. 2GiB (default: 1GiB on CPU; profiled on CUDA)",
         )
-        g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+        g.add_argument("--gpu-memory-utilization", type=fraction, default=0.9)
         g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
         g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
         g.add_argument("--seed", type=int, default=0)
         g.add_argument(
             "--num-threads",
-            type=int,
+            type=positive_int,
             default=None,
             help="CPU threads for torch (default: every core)",
         )

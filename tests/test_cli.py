@@ -134,6 +134,45 @@ def test_scheduler_limits_that_would_admit_nothing_are_usage_errors(flag, value,
     assert f"argument {flag}: not an integer >= " in capsys.readouterr().err
 
 
+def _engine_argv(command: str, *flags: str) -> list[str]:
+    return [command, *({"serve": ["model"], "generate": ["prompt"]}.get(command, [])), *flags]
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "chat"])
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [("--max-model-len", "0", "not an integer >= 1: '0'"),
+     ("--max-model-len", "-5", "not an integer >= 1: '-5'"),
+     ("--block-size", "0", "not an integer >= 1: '0'"),
+     ("--num-threads", "-1", "not an integer >= 1: '-1'"),
+     ("--device", "bogus", "not a device (auto, cpu, cuda or cuda:N): 'bogus'"),
+     ("--device", "cuda:x", "not a device (auto, cpu, cuda or cuda:N): 'cuda:x'"),
+     ("--gpu-memory-utilization", "0", "not a number in (0, 1]: '0'"),
+     ("--gpu-memory-utilization", "1.5", "not a number in (0, 1]: '1.5'"),
+     ("--gpu-memory-utilization", "nan", "not a number in (0, 1]: 'nan'")],
+)  # fmt: skip
+def test_bad_engine_flags_are_usage_errors(command, flag, value, message, capsys):
+    # the engine flags every engine command shares: checked while parsing, not once the model
+    # has loaded (a block size of 0 divided by zero, --device bogus was torch's traceback, and
+    # --max-model-len 0 quietly meant the model's whole context)
+    argv = _engine_argv(command, flag, value)
+    with pytest.raises(SystemExit) as exit_:
+        build_parser(argv).parse_args(argv)
+    assert exit_.value.code == 2
+    assert f"argument {flag}: {message}" in capsys.readouterr().err
+
+
+def test_good_engine_flags_parse():
+    for device in ("auto", "cpu", "cuda", "cuda:1"):
+        argv = _engine_argv("serve", "--device", device)
+        assert build_parser(argv).parse_args(argv).device == device
+    argv = _engine_argv("generate", "--max-model-len", "1", "--block-size", "1",
+                        "--num-threads", "1", "--gpu-memory-utilization", "1")  # fmt: skip
+    args = build_parser(argv).parse_args(argv)
+    assert (args.max_model_len, args.block_size, args.num_threads) == (1, 1, 1)
+    assert args.gpu_memory_utilization == 1.0
+
+
 @pytest.mark.parametrize("command", ["generate", "chat"])
 @pytest.mark.parametrize(
     "flag, value, message",

@@ -1,12 +1,21 @@
-"""`servelm chat`: an interactive conversation with a model in the terminal."""
+"""`servelm chat`: an interactive conversation with a model in the terminal.
+
+Every turn sends the whole conversation. A message the engine refuses (the conversation would
+outgrow the context) is left out, with a line saying so, and the session goes on; `/reset`
+starts a new conversation."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import sys
 
+from servelm.commands import CommandError, start_llm
 from servelm.commands.generate import add_sampling_arguments, sampling_overrides
 from servelm.config import EngineArgs
+
+# Typed as a message: forget the conversation so far (the system prompt stays)
+RESET = "/reset"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,14 +27,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_sampling_arguments(parser)
 
 
+def say(text: str) -> None:
+    print(f"servelm chat: {text}", file=sys.stderr)
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING)
-    from servelm.llm import LLM
-
-    llm = LLM(**EngineArgs.from_cli_args(args).__dict__)
-    params = llm.default_sampling_params(**sampling_overrides(args))
-    messages = [{"role": "system", "content": args.system}] if args.system else []
-    print("servelm chat: empty line or Ctrl-D to quit")
+    llm = start_llm(args)
+    try:
+        params = llm.default_sampling_params(**sampling_overrides(args))
+    except ValueError as exc:  # a sampling default of the model's that the engine refuses
+        raise CommandError(str(exc)) from exc
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(system)
+    print(f"servelm chat: empty line or Ctrl-D to quit, {RESET} to start a new conversation")
     while True:
         try:
             line = input("> ").strip()
@@ -33,8 +48,30 @@ def run(args: argparse.Namespace) -> int:
             break
         if not line:
             break
-        messages.append({"role": "user", "content": line})
-        answer = llm.chat(messages, params)[0].text
-        print(answer)
-        messages.append({"role": "assistant", "content": answer})
+        if line == RESET:
+            messages = list(system)
+            say("new conversation")
+            continue
+        asked = {"role": "user", "content": line}
+        try:
+            out = llm.chat([*messages, asked], params)[0].outputs[0]
+        except ValueError as exc:
+            # Each turn sends the whole conversation, which in time outgrows the context (or
+            # the engine refuses this message): the session goes on, the conversation as it
+            # was, without the message, and the user is told so and what they can do.
+            say(f"error: {exc}")
+            say(
+                "the prompt is the whole conversation so far: that message is left out of it, "
+                f"unanswered; send a shorter one, or {RESET} to start a new conversation"
+            )
+            continue
+        print(out.text)
+        messages += [asked, {"role": "assistant", "content": out.text}]
+        if out.finish_reason == "length" and (
+            params.max_tokens is None or len(out.token_ids) < params.max_tokens
+        ):  # stopped before --max-tokens: the context is full
+            say(
+                "the answer stopped where the conversation filled the model's context "
+                f"(--max-model-len); {RESET} to start a new conversation"
+            )
     return 0

@@ -7,6 +7,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from servelm.commands import CommandError, start_llm
 from servelm.config import EngineArgs
 
 
@@ -62,14 +63,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING)
-    from servelm.llm import LLM
-
-    llm = LLM(**EngineArgs.from_cli_args(args).__dict__)
-    params = llm.default_sampling_params(**sampling_overrides(args))
-    if args.chat:
-        results = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
-    else:
-        results = llm.generate(args.prompts, params)
+    llm = start_llm(args)
+    try:
+        params = llm.default_sampling_params(**sampling_overrides(args))
+        if args.chat:
+            results = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
+        else:
+            results = llm.generate(args.prompts, params)
+    except ValueError as exc:  # a prompt longer than the context or empty; a refused default
+        raise CommandError(str(exc)) from exc
     for prompt, res in zip(args.prompts, results, strict=True):
         out = res.outputs[0]
         print(

@@ -15,12 +15,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from servelm.kernels.paths import ALL_ROWS, StepPaths
 from servelm.kernels.quant_matmul import GGUF_KERNEL_TYPES, GROUP, LANES, QuantMatmul
 from servelm.model import packed_cache
+from servelm.model.config import ModelConfigError
 from servelm.model.layers.embedding import Embedding
 from servelm.model.layers.linear import (
     INT4_LOSSLESS_STEPS,
@@ -39,8 +40,22 @@ from servelm.store.paths import GGUF_BLOCKS_FILE
 logger = logging.getLogger(__name__)
 
 
-class WeightLoadError(RuntimeError):
-    pass
+class WeightLoadError(ModelConfigError):
+    """A checkpoint the model cannot be loaded from, named in the message. A ValueError, as a
+    bad config.json is: the CLI and the server report a model refused at start-up in one line."""
+
+
+def _open_checkpoint(path: Path):
+    """`safe_open` of one checkpoint file, or WeightLoadError naming it: safetensors' own error
+    ("incomplete metadata, file not fully covered") names no file and reads like a bug."""
+    try:
+        return safe_open(str(path), framework="pt")
+    except OSError as exc:
+        raise WeightLoadError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    except SafetensorError as exc:
+        raise WeightLoadError(
+            f"{path} is not a valid, complete safetensors file: it is cut short or corrupt"
+        ) from exc
 
 
 class PackedShards:
@@ -65,7 +80,10 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     model_dir = Path(model_dir)
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+        except ValueError as exc:
+            raise WeightLoadError(f"{index} is not valid JSON: {exc}") from None
         files = sorted({model_dir / f for f in weight_map.values()})
         missing = [f.name for f in files if not f.is_file()]
         if missing:
@@ -81,14 +99,14 @@ def checkpoint_names(model_dir: str | Path) -> list[str]:
     """Every tensor name in the checkpoint (the files' headers only)."""
     names: list[str] = []
     for path in safetensors_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
+        with _open_checkpoint(path) as f:
             names.extend(f.keys())
     return names
 
 
 def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[Path, str, torch.Tensor]]:
     for path in safetensors_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
+        with _open_checkpoint(path) as f:
             for name in f.keys():
                 yield path, name, f.get_tensor(name)
 
@@ -99,7 +117,7 @@ def _wanted_tensors(
     """The checkpoint's tensors named in `wanted`, each read only when reached (the files are
     memory-mapped): all of it, or under tensor parallelism this rank's slice."""
     for path in safetensors_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
+        with _open_checkpoint(path) as f:
             for name in f.keys():
                 if name in wanted and not name.endswith(_IGNORED_SUFFIXES):
                     yield path, name, slicer.read(f, name) if slicer else f.get_tensor(name)
@@ -192,7 +210,7 @@ def _checkpoint_is_4bit(
     if dtype != torch.bfloat16:  # (no int4 for any other: nothing to read)
         return False
     for path in safetensors_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
+        with _open_checkpoint(path) as f:
             name = next((n for n in f.keys() if n.endswith("proj.weight")), None)
             if name is not None:
                 tensor = slicer.read(f, name) if slicer else f.get_tensor(name)
@@ -268,7 +286,7 @@ def gguf_blocks(model_dir: str | Path) -> dict[str, tuple[int, torch.Tensor]]:
     if not path.is_file():
         return {}
     number = {name: qtype for qtype, name in GGUF_KERNEL_TYPES.items()}
-    with safe_open(str(path), framework="pt") as f:
+    with _open_checkpoint(path) as f:
         types = json.loads(f.metadata()["types"])
         return {n: (number[types[n]], f.get_tensor(n).clone()) for n in f.keys()}
 
@@ -345,7 +363,7 @@ def _gguf_head(
         return None
     qtype, raw = blocks[name]
     for path in safetensors_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
+        with _open_checkpoint(path) as f:
             if name not in f.keys():
                 continue
             want = f.get_tensor(name)

@@ -14,3 +14,9 @@ class ModelNotFoundError(ModelSpecError, FileNotFoundError):
 
 class HubUnavailableError(ModelSpecError, ImportError):
     """A hub id, without the optional huggingface-hub installed."""
+
+
+class ModelFileError(ValueError):
+    """A model whose spec is right but whose files servelm cannot read: a JSON file that does not
+    parse, a missing tokenizer.json, a corrupt or truncated GGUF. The message names the file; the
+    CLI prints it without a traceback and exits 1, as for a model the engine refuses."""

@@ -35,6 +35,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 from safetensors.numpy import save_file
 
+from servelm.store.errors import ModelFileError
 from servelm.store.gguf_tokenizer import build_tokenizer, tokenizer_config
 from servelm.store.manifest import is_complete, sha256_file, write_manifest
 from servelm.store.paths import GGUF_BLOCKS_FILE
@@ -428,12 +429,31 @@ def _move_into_place(tmp: Path, out_dir: Path, source_sha256: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def open_gguf(path: Path) -> GGUFReader:
+    """A reader of the GGUF file `path`, or ModelFileError naming it. gguf's reader parses the
+    whole header and tensor index up front, and on a file cut short or not a GGUF at all fails
+    with whatever numpy says first ("not enough values to unpack", "index 0 is out of bounds"):
+    that stays in the chained exception, the message says what is wrong."""
+    try:
+        return GGUFReader(path)
+    except (ValueError, IndexError, KeyError, OverflowError) as exc:
+        with path.open("rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            raise ModelFileError(
+                f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)"
+            ) from exc
+        raise ModelFileError(
+            f"{path} is not a valid, complete GGUF file: it is cut short or corrupt"
+        ) from exc
+
+
 def import_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     """Convert `gguf_path` into an HF-format folder at `out_dir` and return `out_dir`.
 
     Skips the work when `out_dir` already holds a complete import of the same file (by sha256).
-    Raises ValueError naming what it cannot import: an architecture, a tensor type, a tensor, a
-    tokenizer.
+    Raises ModelFileError (a ValueError) naming the file and what it cannot import: not a GGUF,
+    cut short, an architecture, a tensor type, a tensor, a tokenizer.
     """
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if not gguf_path.is_file():
@@ -442,11 +462,14 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     if is_complete(out_dir, source_sha256):
         return out_dir
 
-    reader = GGUFReader(gguf_path)
-    meta = read_metadata(reader)
-    # reject a file it cannot import before creating anything on disk
-    build_config(meta, {t.name for t in reader.tensors})
-    check_types(reader)
+    reader = open_gguf(gguf_path)
+    try:
+        meta = read_metadata(reader)
+        # reject a file it cannot import before creating anything on disk
+        build_config(meta, {t.name for t in reader.tensors})
+        check_types(reader)
+    except ValueError as exc:  # what it cannot import: say in which file
+        raise ModelFileError(f"{gguf_path}: {exc}") from exc
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
@@ -457,6 +480,8 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
             path.chmod(0o644)  # safetensors creates its file owner-only
         write_manifest(tmp, gguf_path.name, source_sha256)
         _move_into_place(tmp, out_dir, source_sha256)
+    except ValueError as exc:  # a tokenizer or tensor it cannot convert
+        raise ModelFileError(f"{gguf_path}: {exc}") from exc
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
