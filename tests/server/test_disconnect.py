@@ -1,6 +1,7 @@
 """A client that goes away mid-stream: its request is aborted and its KV blocks return at once."""
 
 import time
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -25,16 +26,23 @@ def wait_for(cond, timeout):
     return False
 
 
-def test_disconnect_mid_stream_frees_blocks(long_server):
-    server = long_server
-    idle_usage = server.metrics()["servelm:kv_cache_usage_perc"]
-    body = {"prompt": [7] * 200, "max_tokens": 3500, "ignore_eos": True, "stream": True}
+@contextmanager
+def mid_stream(server, body):
+    """A stream three chunks in, for the block's duration; leaving it drops the connection."""
     with httpx.stream("POST", server.base_url + "/completions", json=body, timeout=30) as r:
         # Keep the line iterator alive: leaving it (break) would close the connection early.
         lines = r.iter_lines()
         seen = 0
         while seen < 3:
             seen += next(lines).startswith("data: {")
+        yield
+
+
+def test_disconnect_mid_stream_frees_blocks(long_server):
+    server = long_server
+    idle_usage = server.metrics()["servelm:kv_cache_usage_perc"]
+    body = {"prompt": [7] * 200, "max_tokens": 3500, "ignore_eos": True, "stream": True}
+    with mid_stream(server, body):
         running = server.metrics()
         assert running["servelm:num_requests_running"] >= 1
         assert running["servelm:kv_cache_usage_perc"] > idle_usage
@@ -62,11 +70,8 @@ def test_a_request_whose_client_went_away_is_counted_as_aborted(long_server):
     before = server.metrics()
     assert aborted in before  # present at zero from the start: rate() sees its first one
     body = {"prompt": [5] * 150, "max_tokens": 3500, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", server.base_url + "/completions", json=body, timeout=30) as r:
-        lines = r.iter_lines()
-        seen = 0
-        while seen < 3:
-            seen += next(lines).startswith("data: {")
+    with mid_stream(server, body):
+        pass
 
     def counted() -> bool:
         return server.metrics()[aborted] == before[aborted] + 1
