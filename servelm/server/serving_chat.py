@@ -43,6 +43,11 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             roles = ", ".join(ROLES)
             message = f"messages.{i}.role must be one of {roles}; got {m.role!r}."
             raise APIError(400, message, "messages")
+        if getattr(m, "function_call", None) is not None:  # the deprecated form of tool_calls
+            message = (
+                f"messages.{i}.function_call is the deprecated form of tool_calls; send tool_calls."
+            )
+            raise APIError(400, message, "messages")
         if m.content is None and not (m.role == "assistant" and getattr(m, "tool_calls", None)):
             # OpenAI: only an assistant message that makes tool calls may go without content.
             message = f"messages.{i}.content is required for a {m.role!r} message."

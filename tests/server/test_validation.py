@@ -86,6 +86,8 @@ CASES = [
      "send tools"),
     ("/chat/completions", {"messages": MSG, "function_call": "auto"}, "function_call",
      "send tools"),
+    ("/chat/completions", {"messages": [*MSG, {"role": "assistant", "content": None,
+     "function_call": {"name": "f", "arguments": "{}"}}]}, "messages", "send tool_calls"),
 ]  # fmt: skip
 
 
