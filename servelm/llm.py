@@ -125,7 +125,7 @@ class LLM:
             raise TypeError(f"prompt {i} must be a string or a list of token ids (integers)")
         if not ids:
             raise ValueError(f"prompt {i} is empty")
-        vocab = self.tokenizer.vocab_size
+        vocab = self.info.spec.vocab_size  # the model's rows (a tokenizer may use fewer)
         if not 0 <= min(ids) <= max(ids) < vocab:
             bad = next(t for t in ids if not 0 <= t < vocab)
             raise ValueError(f"prompt {i}: token ids must be in [0, {vocab}), got {bad}")
