@@ -52,6 +52,7 @@ def _edit_json(path: Path, **changes) -> None:
 # breakage -> (the file the message names, what it says about it)
 BREAKAGES = {
     "no tokenizer.json": ("tokenizer.json", "not found: servelm needs a fast tokenizer"),
+    "tokenizer.json not JSON": ("tokenizer.json", "is not a tokenizer servelm can read"),
     "config.json not JSON": ("config.json", "is not valid JSON: Expecting property name"),
     "generation_config.json not JSON": ("generation_config.json", "is not valid JSON"),
     "tokenizer_config.json a list": ("tokenizer_config.json", "is not a JSON object"),
@@ -59,8 +60,8 @@ BREAKAGES = {
     "unknown architecture": (None, "unsupported architecture ['FooBarForCausalLM']"),
 }
 # what the API process of `servelm serve` reads itself, before its engine process starts
-READ_BY_SERVE = ("no tokenizer.json", "config.json not JSON", "generation_config.json not JSON",
-                 "tokenizer_config.json a list")  # fmt: skip
+READ_BY_SERVE = ("no tokenizer.json", "tokenizer.json not JSON", "config.json not JSON",
+                 "generation_config.json not JSON", "tokenizer_config.json a list")  # fmt: skip
 
 
 def _broken_copy(tiny_model_dir: Path, tmp_path: Path, breakage: str) -> Path:

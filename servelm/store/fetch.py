@@ -12,27 +12,19 @@ a typo in a local path does not turn into a confusing network failure.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 from servelm.store.default import ensure_default_model
-from servelm.store.errors import (
-    HubUnavailableError,
-    ModelFileError,
-    ModelNotFoundError,
-    ModelSpecError,
-)
+from servelm.store.errors import HubUnavailableError, ModelNotFoundError, ModelSpecError
 from servelm.store.hub import HUB_PATTERNS, fetch_snapshot
 from servelm.store.paths import default_store_dir
 
 __all__ = [
     "HUB_PATTERNS",
     "HubUnavailableError",
-    "ModelFileError",
     "ModelNotFoundError",
     "ModelSpecError",
-    "check_model_folder",
     "resolve_model",
     "resolve_model_dir",
 ]
@@ -86,38 +78,6 @@ def resolve_model(
     return fetch_snapshot(spec, store, revision, rehash=rehash)
 
 
-# The JSON files of a model folder that are read at start-up (the tokenizer reads all three,
-# in the API process, before the engine starts). One that does not parse would fail there with
-# json's own "Expecting value: line 1 column 2", which names no file.
-_MODEL_JSON = ("config.json", "generation_config.json", "tokenizer_config.json")
-
-
-def check_model_folder(folder: Path) -> None:
-    """Raise ModelFileError naming the first file of `folder` an engine cannot start from: no
-    tokenizer.json, or one of `_MODEL_JSON` that is not a JSON object. (A missing config.json is
-    for resolve_model and the engine to report; the weights, for the loader, which reads them.)"""
-    tokenizer = folder / "tokenizer.json"
-    if not tokenizer.is_file():
-        raise ModelFileError(
-            f"{tokenizer} not found: servelm needs a fast tokenizer (tokenizer.json)"
-        )
-    for name in _MODEL_JSON:
-        path = folder / name
-        if not path.is_file():
-            continue
-        try:
-            value = json.loads(path.read_bytes())
-        except OSError as exc:
-            raise ModelFileError(f"cannot read {path}: {exc.strerror}") from None
-        except ValueError as exc:  # (a JSONDecodeError, or bytes that are not UTF-8)
-            raise ModelFileError(f"{path} is not valid JSON: {exc}") from None
-        if not isinstance(value, dict):
-            raise ModelFileError(f"{path} is not a JSON object")
-
-
 def resolve_model_dir(args) -> Path:
-    """The model folder an `EngineArgs` names (fetched or imported on first use), checked for
-    the files an engine starts from (`check_model_folder`)."""
-    folder = Path(resolve_model(args.model, args.store, args.revision))
-    check_model_folder(folder)
-    return folder
+    """The model folder an `EngineArgs` names (fetched or imported on first use)."""
+    return Path(resolve_model(args.model, args.store, args.revision))

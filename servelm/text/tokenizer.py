@@ -12,6 +12,7 @@ from typing import Any
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
+from servelm.store.errors import ModelFileError
 from servelm.text.chat_template import ChatTemplateError, render_chat_template
 
 _SPECIAL_KEYS = (
@@ -37,7 +38,19 @@ class GenerationDefaults:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.is_file() else {}
+    """A model folder's JSON file ({} when absent); ModelFileError naming it when it is not a
+    JSON object (json's own "Expecting value: line 1 column 2" names no file)."""
+    if not path.is_file():
+        return {}
+    try:
+        value = json.loads(path.read_bytes())
+    except OSError as exc:
+        raise ModelFileError(f"cannot read {path}: {exc.strerror}") from None
+    except ValueError as exc:  # (a JSONDecodeError, or bytes that are not UTF-8)
+        raise ModelFileError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ModelFileError(f"{path} is not a JSON object")
+    return value
 
 
 def _token_text(value: Any) -> str | None:
@@ -51,10 +64,13 @@ class TextTokenizer:
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"
         if not path.is_file():
-            raise FileNotFoundError(
+            raise ModelFileError(
                 f"{path} not found: servelm needs a fast tokenizer (tokenizer.json)"
             )
-        self.tokenizer = Tokenizer.from_file(str(path))
+        try:
+            self.tokenizer = Tokenizer.from_file(str(path))
+        except Exception as exc:  # the library raises a bare Exception for a file it cannot read
+            raise ModelFileError(f"{path} is not a tokenizer servelm can read: {exc}") from None
         cfg = _read_json(model_dir / "tokenizer_config.json")
         self.special_tokens = {
             k: t for k in _SPECIAL_KEYS if (t := _token_text(cfg.get(k))) is not None
