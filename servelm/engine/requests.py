@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from functools import lru_cache
+from typing import Any
 
 from servelm.engine.request import Request
 from servelm.engine.sampling_params import INT64, InvalidParamError, SamplingParams
@@ -15,39 +17,38 @@ logger = logging.getLogger("servelm")
 
 def default_sampling_params(tokenizer: TextTokenizer, **overrides) -> SamplingParams:
     """SamplingParams with the model's generation_config defaults, then `overrides` on top."""
-    d = tokenizer.generation_defaults
-    base = {
-        k: v
-        for k, v in (
-            ("temperature", d.temperature),
-            ("top_p", d.top_p),
-            ("top_k", d.top_k),
-            ("repetition_penalty", d.repetition_penalty),
-        )
-        if v is not None and _usable_default(k, v)
-    }
+    base = dict(model_defaults(tokenizer))
     base.update({k: v for k, v in overrides.items() if v is not None})
     return SamplingParams(**base)
 
 
-_REFUSED_DEFAULTS: set[str] = set()
-
-
-def _usable_default(name: str, value: object) -> bool:
-    """Whether SamplingParams takes generation_config.json's `value` for `name`: a model folder's
-    bad default ("temperature": "hot") is left out with a warning, not a 500 on every request
-    that relies on it, nor a 400 blaming the client for a field it never sent."""
-    try:
-        SamplingParams(**{name: value})
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    except (InvalidParamError, TypeError, ValueError):
-        ok = False
-    if not ok and name not in _REFUSED_DEFAULTS:
-        _REFUSED_DEFAULTS.add(name)
-        logger.warning(
-            "generation_config.json: %s = %r is not a usable default; ignored", name, value
-        )
-    return ok
+@lru_cache(maxsize=8)  # once per model: a server or an LLM has one tokenizer for good
+def model_defaults(tokenizer: TextTokenizer) -> dict[str, Any]:
+    """The model's generation_config.json sampling defaults that SamplingParams takes. A bad one
+    ("temperature": "hot") is left out with a warning, not a 500 on every request relying on
+    it, nor a 400 blaming the client for a field it never sent."""
+    d = tokenizer.generation_defaults
+    usable = {}
+    for name, value in (
+        ("temperature", d.temperature),
+        ("top_p", d.top_p),
+        ("top_k", d.top_k),
+        ("repetition_penalty", d.repetition_penalty),
+    ):
+        if value is None:
+            continue
+        try:
+            SamplingParams(**{name: value})
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        except (InvalidParamError, TypeError, ValueError):
+            ok = False
+        if ok:
+            usable[name] = value
+        else:
+            logger.warning(
+                "generation_config.json: %s = %r is not a usable default; ignored", name, value
+            )
+    return usable
 
 
 def child_requests(
