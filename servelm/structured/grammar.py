@@ -14,6 +14,7 @@ greedily writing a population does, `1111...`).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
@@ -97,23 +98,33 @@ def ascii_classes(regex: str) -> str:
 _LITERALS = frozenset({"const", "enum", "default", "examples"})
 
 
+def _each_schema(schema: Any, node: Callable[[dict[str, Any]], None]) -> Any:
+    """A copy of `schema` with `node` applied to every object in it, innermost first, values
+    under _LITERALS left as they are."""
+    if isinstance(schema, list):
+        return [_each_schema(item, node) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v if k in _LITERALS else _each_schema(v, node) for k, v in schema.items()}
+    node(out)
+    return out
+
+
 def bound_integers(schema: Any) -> Any:
     """`schema` with every integer that has no lower (upper) bound given one at -+SAFE_INTEGER,
     or at FAR_INTEGER where its other bound lies beyond that (a timestamp in nanoseconds)."""
-    if isinstance(schema, list):
-        return [bound_integers(item) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: v if k in _LITERALS else bound_integers(v) for k, v in schema.items()}
-    kind = out.get("type")
+    return _each_schema(schema, _bound)
+
+
+def _bound(node: dict[str, Any]) -> None:
+    kind = node.get("type")
     if kind == "integer" or (isinstance(kind, list) and "integer" in kind and "number" not in kind):
-        low = out.get("minimum", out.get("exclusiveMinimum"))
-        high = out.get("maximum", out.get("exclusiveMaximum"))
+        low = node.get("minimum", node.get("exclusiveMinimum"))
+        high = node.get("maximum", node.get("exclusiveMaximum"))
         if low is None and (cap := _cap(high, -1)) is not None:
-            out["minimum"] = cap
+            node["minimum"] = cap
         if high is None and (cap := _cap(low, 1)) is not None:
-            out["maximum"] = cap
-    return out
+            node["maximum"] = cap
 
 
 def _cap(other: Any, sign: int) -> int | None:
@@ -133,15 +144,13 @@ def rebase_refs(schema: Any, base: str) -> Any:
     """`schema` with each local `$ref` ("#..." ) moved under `base` ("#/$defs/x"): for a
     schema placed at `base` inside another, whose own `#/$defs/...` and `#` would otherwise
     point at the outer document's root."""
-    if isinstance(schema, list):
-        return [rebase_refs(item, base) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: v if k in _LITERALS else rebase_refs(v, base) for k, v in schema.items()}
-    ref = out.get("$ref")
-    if isinstance(ref, str) and ref.startswith("#"):
-        out["$ref"] = base + ref[1:]
-    return out
+
+    def rebase(node: dict[str, Any]) -> None:
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            node["$ref"] = base + ref[1:]
+
+    return _each_schema(schema, rebase)
 
 
 @lru_cache(maxsize=256)
