@@ -10,7 +10,7 @@ import argparse
 import logging
 import sys
 
-from servelm.commands import CommandError, start_llm
+from servelm.commands import start_llm
 from servelm.commands.generate import add_sampling_arguments, sampling_overrides
 from servelm.config import EngineArgs
 
@@ -34,10 +34,8 @@ def say(text: str) -> None:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING)
     llm = start_llm(args)
-    try:
-        params = llm.default_sampling_params(**sampling_overrides(args))
-    except ValueError as exc:  # a sampling default of the model's that the engine refuses
-        raise CommandError(str(exc)) from exc
+    # (the flags were checked when parsed; the model's own defaults are taken only if usable)
+    params = llm.default_sampling_params(**sampling_overrides(args))
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(system)
     print(f"servelm chat: empty line or Ctrl-D to quit, {RESET} to start a new conversation")

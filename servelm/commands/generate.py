@@ -64,13 +64,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING)
     llm = start_llm(args)
+    params = llm.default_sampling_params(**sampling_overrides(args))
     try:
-        params = llm.default_sampling_params(**sampling_overrides(args))
         if args.chat:
             results = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
         else:
             results = llm.generate(args.prompts, params)
-    except ValueError as exc:  # a prompt longer than the context or empty; a refused default
+    except ValueError as exc:  # a prompt longer than the context, or empty
         raise CommandError(str(exc)) from exc
     for prompt, res in zip(args.prompts, results, strict=True):
         out = res.outputs[0]

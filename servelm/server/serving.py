@@ -291,7 +291,7 @@ class OpenAIServing:
         queue: asyncio.Queue[tuple[int, TextDelta] | Exception | None] = asyncio.Queue()
 
         async def one(index: int, prompt: list[int], p: SamplingParams) -> None:
-            timer, ended = RequestTimer(state.metrics, arrival), "abort"
+            timer, finished, cut = RequestTimer(state.metrics, arrival), False, "abort"
             try:
                 async for delta in self.engine.generate(
                     f"{request_id}-{index}", prompt, p, priority, arrival
@@ -300,15 +300,15 @@ class OpenAIServing:
                     timer.on_tokens(now, len(delta.token_ids), delta.queued_time)
                     if delta.finished:
                         timer.on_finish(now, delta.finish_reason, delta.num_prompt_tokens)
-                        ended = ""
+                        finished = True
                     await queue.put((index, delta))
             except Exception as exc:  # engine death or a bug: surface it to the response
-                ended = ended and ("abort" if isinstance(exc, RequestsStopped) else "error")
+                cut = "abort" if isinstance(exc, RequestsStopped) else "error"
                 await queue.put(exc)
             finally:
-                if ended:  # cancelled (the client went away) or failed: still a request served
+                if not finished:  # cancelled (the client left), stopped or failed: still served
                     ran = len(prompt) if timer.first is not None else 0
-                    timer.on_finish(time.time(), ended, ran)
+                    timer.on_finish(time.time(), cut, ran)
                 await queue.put(None)
 
         tasks = []
