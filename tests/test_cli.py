@@ -138,6 +138,14 @@ def _engine_argv(command: str, *flags: str) -> list[str]:
     return [command, *({"serve": ["model"], "generate": ["prompt"]}.get(command, [])), *flags]
 
 
+def assert_usage_error(argv: list[str], flag: str, message: str, capsys) -> None:
+    """Parsing `argv` ends with exit 2 and argparse's line for `flag` saying `message`."""
+    with pytest.raises(SystemExit) as exit_:
+        build_parser(argv).parse_args(argv)
+    assert exit_.value.code == 2
+    assert f"argument {flag}: {message}" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("command", ["serve", "generate", "chat"])
 @pytest.mark.parametrize(
     "flag, value, message",
@@ -155,11 +163,7 @@ def test_bad_engine_flags_are_usage_errors(command, flag, value, message, capsys
     # the engine flags every engine command shares: checked while parsing, not once the model
     # has loaded (a block size of 0 divided by zero, --device bogus was torch's traceback, and
     # --max-model-len 0 quietly meant the model's whole context)
-    argv = _engine_argv(command, flag, value)
-    with pytest.raises(SystemExit) as exit_:
-        build_parser(argv).parse_args(argv)
-    assert exit_.value.code == 2
-    assert f"argument {flag}: {message}" in capsys.readouterr().err
+    assert_usage_error(_engine_argv(command, flag, value), flag, message, capsys)
 
 
 def test_good_engine_flags_parse():
@@ -186,11 +190,7 @@ def test_good_engine_flags_parse():
 def test_bad_sampling_flags_are_usage_errors(command, flag, value, message, capsys):
     # checked as the engine checks them, while parsing: one line and exit 2, before the model
     # loads, not a traceback after
-    argv = [command, *(["prompt"] if command == "generate" else []), flag, value]
-    with pytest.raises(SystemExit) as exit_:
-        build_parser(argv).parse_args(argv)
-    assert exit_.value.code == 2
-    assert f"argument {flag}: {message}" in capsys.readouterr().err
+    assert_usage_error(_engine_argv(command, flag, value), flag, message, capsys)
 
 
 def test_good_sampling_flags_parse():
