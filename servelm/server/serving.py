@@ -30,6 +30,7 @@ from servelm.engine.sampling_params import (
     SamplingParams,
     StructuredOutput,
 )
+from servelm.server.access import note_response_id
 from servelm.server.errors import APIError
 from servelm.server.metrics import RequestTimer, ServerMetrics
 from servelm.server.protocol import SamplingFields
@@ -88,8 +89,11 @@ def message_chars(messages: list[dict[str, Any]]) -> int:
     return sum(len(m.get("content") or "") for m in messages)
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+def new_id(prefix: str, scope: dict) -> str:
+    """A new answer id, noted on the request's log line (`access`)."""
+    answer_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
+    note_response_id(scope, answer_id)
+    return answer_id
 
 
 class OpenAIServing:
@@ -134,6 +138,23 @@ class OpenAIServing:
                 f"This model's maximum context length is {limit} tokens. However, your request has "
                 f"{len(prompt_ids)} input tokens; reduce the length of the prompt.",
                 "prompt",
+                "context_length_exceeded",
+            )
+
+    def check_output_room(
+        self, prompts: list[list[int]], max_tokens: int | None, param: str = "max_tokens"
+    ) -> None:
+        """A 400 when the request asks for more tokens than the context has room for after its
+        longest prompt, as OpenAI and vLLM answer (without max_tokens: the room left)."""
+        limit = self.state.max_model_len
+        longest = max(len(p) for p in prompts)
+        if max_tokens is not None and longest + max_tokens > limit:
+            raise APIError(
+                400,
+                f"{param} is too large: {max_tokens}. This model's maximum context length is "
+                f"{limit} tokens and your request has {longest} input tokens "
+                f"({max_tokens} > {limit} - {longest}).",
+                param,
                 "context_length_exceeded",
             )
 

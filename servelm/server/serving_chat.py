@@ -106,17 +106,20 @@ class ServingChat(OpenAIServing):
         tools = self.tool_setup(req)
         prompt_ids = await self.encode_messages(req.messages, req.add_generation_prompt, tools)
         self.check_prompt_length(prompt_ids)
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        asked = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+        self.check_output_room([prompt_ids], max_tokens, asked)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         structure = await constrain(tools, await checked_structure(req))
         params = self.sampling_params(
             req,
-            req.max_completion_tokens or req.max_tokens,
+            max_tokens,
             logprobs,
             structure,
             prompt_logprobs=req.prompt_logprobs,
         )
         self.check_admission()
-        rid = new_id("chatcmpl")
+        rid = new_id("chatcmpl", raw.scope)
         created = int(time.time())
         model = self.state.model_name
         choices = self.run_choices(rid, [prompt_ids], params, req.priority)

@@ -75,6 +75,7 @@ class ServingCompletion(OpenAIServing):
         if req.best_of is not None and req.best_of > req.n:
             raise APIError(400, "best_of is not supported: ask for n choices instead.", "best_of")
         prompts = await self._prompts(req.prompt)
+        self.check_output_room(prompts, req.max_tokens)
         # the engine scores the prompt for echoed logprobs and for prompt_logprobs (the more of
         # the two top-N; each part shows its own)
         asks = [
@@ -89,7 +90,7 @@ class ServingCompletion(OpenAIServing):
             echo=req.echo,
         )
         self.check_admission()
-        rid = new_id("cmpl")
+        rid = new_id("cmpl", raw.scope)
         created = int(time.time())
         n = params.n
         shape = Shape(

@@ -246,7 +246,7 @@ def test_cached_tokens_on_repeated_long_prompt(client):
     assert r.usage.prompt_tokens_details.cached_tokens < r.usage.prompt_tokens
 
 
-def test_stop_strings_and_max_tokens_clamp(client, tokenizer):
+def test_stop_strings_and_max_tokens_past_the_context(client, tokenizer):
     base = (
         client.completions.create(
             model="tiny",
@@ -268,10 +268,18 @@ def test_stop_strings_and_max_tokens_clamp(client, tokenizer):
         extra_body={"ignore_eos": True},
     )
     assert r.choices[0].finish_reason == "stop" and r.choices[0].text == base[: base.index(stop)]
-    # prompt + max_tokens beyond the context: clamped to the room left, ends with "length"
+    # prompt + an asked max_tokens beyond the context (512): refused, as OpenAI and vLLM do;
+    # the default max_tokens (16) is cut to the room left and ends with "length"
     prompt = [3 + i % 300 for i in range(500)]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=13)
+    assert refused.value.body["param"] == "max_tokens"
+    assert refused.value.body["code"] == "context_length_exceeded"
+    assert "(13 > 512 - 500)" in refused.value.body["message"]
+    r = client.completions.create(model="tiny", prompt=prompt, extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 12
     r = client.completions.create(
-        model="tiny", prompt=prompt, max_tokens=100, extra_body={"ignore_eos": True}
+        model="tiny", prompt=prompt, max_tokens=12, extra_body={"ignore_eos": True}
     )
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 12
 

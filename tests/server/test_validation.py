@@ -131,6 +131,9 @@ def test_error_code_is_a_string_or_null_everywhere(server):
     assert assert_error(model, 404, "model")["code"] == "model_not_found"
     long = post(server, "/completions", {"prompt": [5] * 600})
     assert assert_error(long, 400, "prompt")["code"] == "context_length_exceeded"
+    for field in ("max_tokens", "max_completion_tokens"):
+        room = post(server, "/chat/completions", {"messages": MSG, field: 600})
+        assert assert_error(room, 400, field)["code"] == "context_length_exceeded"
     invalid = post(server, "/completions", {"prompt": "hi", "top_p": 7})
     assert assert_error(invalid, 400, "top_p")["code"] is None
     bad_json = httpx.post(server.base_url + "/completions", content=b"{", timeout=30,
