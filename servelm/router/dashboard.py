@@ -179,12 +179,16 @@ def dashboard_routes(router: Router) -> list[Route]:
         header = basic_as_bearer(raw).decode("latin-1")
         if router.limiter.authenticate(header) is not None:
             return None
-        return error_response(
+        refused = error_response(
             401,
             "Invalid or missing API key.",
             code="invalid_api_key",
-            headers={"WWW-Authenticate": "Bearer, " + ASK_FOR_BASIC.decode()},
+            headers={"WWW-Authenticate": "Bearer"},
         )
+        # A second header, not "Bearer, Basic ..." in one: browsers read only a header's first
+        # scheme, and offer their login box only for Basic.
+        refused.raw_headers.append((b"www-authenticate", ASK_FOR_BASIC))
+        return refused
 
     async def dashboard_page(request: Request) -> Response:
         refused = refuse(request)

@@ -11,7 +11,7 @@ import httpx
 import openai
 
 from tests.router.conftest import MODEL, Proc, router
-from tests.server.test_dashboard import launch
+from tests.server.test_dashboard import launch, login_in_a_browser
 
 
 def router_events(url: str, headers: dict | None = None, timeout: float = 30.0):
@@ -94,5 +94,7 @@ def test_with_api_keys_the_router_page_needs_one(
             r.url + "/dashboard", headers={"Authorization": "Bearer sk-dash"}, timeout=10
         )
         assert ok.status_code == 200
+        # in a browser: the key typed into the login box its 401 makes it offer
+        assert login_in_a_browser(r.url, "sk-dash") == 200
         event = next(router_events(r.url, {"Authorization": "Bearer sk-dash"}))
         assert event["kind"] == "router"

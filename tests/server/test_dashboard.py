@@ -226,8 +226,46 @@ def test_without_the_key_the_page_and_its_feed_answer_401(keyed, path, auth):
             "code": "invalid_api_key",
         }
     }
-    # a browser shows its login box for Basic
-    assert "Basic" in ", ".join(resp.headers.get_list("www-authenticate"))
+    # a browser shows its login box for a challenge that starts with Basic
+    assert any(v.startswith("Basic ") for v in resp.headers.get_list("www-authenticate"))
+
+
+def test_the_page_follows_the_feed_again_after_an_error_answer(served):
+    """An EventSource that gets an answer other than 200 (an ingress's 502 while the pod
+    restarts) is closed for good by the browser: the page must open a new one."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = launch(pw)
+        tab = browser.new_page()
+        tab.route("**/dashboard/feed", lambda route: route.fulfill(status=502, body="down"))
+        tab.goto(served.url + "/dashboard")
+        tab.wait_for_function("document.querySelector('#status').textContent.startsWith('dis')")
+        assert tab.evaluate("+(document.body.dataset.updates || 0)") == 0
+        tab.unroute("**/dashboard/feed")
+        tab.wait_for_function("+(document.body.dataset.updates || 0) >= 2", timeout=20_000)
+        assert tab.inner_text("#status") == "live"
+        browser.close()
+
+
+def login_in_a_browser(url: str, password: str) -> int:
+    """The status a real Chromium ends with for the page when a person types `password` into
+    the login box it offers (where it offers none, the 401 stays)."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = launch(pw)
+        try:
+            login = {"username": "ops", "password": password}
+            tab = browser.new_context(http_credentials=login).new_page()
+            return tab.goto(url + "/dashboard").status
+        finally:
+            browser.close()
+
+
+def test_a_browser_opens_the_page_with_the_key_typed_into_its_login_box(keyed):
+    assert login_in_a_browser(keyed.url, KEY) == 200
+    assert login_in_a_browser(keyed.url, "wrong") == 401
 
 
 def test_with_the_key_the_page_and_its_feed_answer(keyed):

@@ -288,18 +288,24 @@
   // ---- the feed -------------------------------------------------------------------------------
   const view = document.body.dataset.kind === "router" ? new RouterView(main) : new ServerView(main);
   let updates = 0;
-  const source = new EventSource("dashboard/feed");
-  source.onopen = () => { statusEl.textContent = "live"; statusEl.dataset.connected = "1"; };
-  // A stream ends every few seconds and the browser reconnects at once: only a connection
-  // still down after two seconds counts as lost.
-  source.onerror = () => setTimeout(() => {
-    if (source.readyState !== EventSource.OPEN) { statusEl.textContent = "disconnected, retrying…"; statusEl.dataset.connected = "0"; }
-  }, 2000);
-  source.onmessage = (msg) => {
-    const p = JSON.parse(msg.data);
-    view.update(p);
-    updates += 1;
-    document.body.dataset.updates = updates;
-    titleEl.textContent = p.kind === "router" ? `router, ${p.replicas.length} replicas` : p.model;
+  const follow = () => {
+    const source = new EventSource("dashboard/feed");
+    source.onopen = () => { statusEl.textContent = "live"; statusEl.dataset.connected = "1"; };
+    // A stream ends every few seconds and the browser reconnects at once: only a connection
+    // still down after two seconds counts as lost. An answer other than 200 (an ingress's 502
+    // while a pod restarts) closes an EventSource for good: then a new one, every two seconds.
+    source.onerror = () => setTimeout(() => {
+      if (source.readyState === EventSource.OPEN) return;
+      statusEl.textContent = "disconnected, retrying…"; statusEl.dataset.connected = "0";
+      if (source.readyState === EventSource.CLOSED) follow();
+    }, 2000);
+    source.onmessage = (msg) => {
+      const p = JSON.parse(msg.data);
+      view.update(p);
+      updates += 1;
+      document.body.dataset.updates = updates;
+      titleEl.textContent = p.kind === "router" ? `router, ${p.replicas.length} replicas` : p.model;
+    };
   };
+  follow();
 })();
