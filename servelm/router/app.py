@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -28,6 +29,7 @@ from servelm.router.policies import POLICIES, LeastLoaded, PrefixAware, RoundRob
 from servelm.router.proxy import Proxy
 from servelm.router.ratelimit import Admission, ApiKey, RateLimited, RateLimiter
 from servelm.router.replicas import ReplicaSet, normalize_url, parse_replicas_file
+from servelm.server.access import AccessMiddleware
 from servelm.server.errors import APIError, error_response
 
 logger = logging.getLogger("servelm.router")
@@ -244,6 +246,9 @@ def build_app(router: Router) -> Starlette:
         *admin_routes(router),
         *dashboard_routes(router),
     ]
-    app = Starlette(routes=routes, lifespan=router.lifespan)
+    # each request's id (the client's X-Request-Id or a new one) goes on to the replica and
+    # into the router's log line and the replica's
+    access = [Middleware(AccessMiddleware)]
+    app = Starlette(routes=routes, lifespan=router.lifespan, middleware=access)
     app.state.router = router
     return app

@@ -7,11 +7,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import servelm
+from servelm.server.access import AccessMiddleware
 from servelm.server.auth import OPEN_PATHS, APIKeyMiddleware
 from servelm.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
 from servelm.server.dashboard import BasicAsBearer, DashboardHub, install_dashboard
 from servelm.server.errors import APIError, error_response, install_error_handlers
-from servelm.server.metrics import HTTPStatusMiddleware
 from servelm.server.openapi import (
     GENERATE,
     HEALTH,
@@ -48,7 +48,8 @@ def build_app(
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
         app.add_middleware(BasicAsBearer)  # outside the key check: the dashboard's browsers
-    app.add_middleware(HTTPStatusMiddleware, metrics=state.metrics, skip_paths=OPEN_PATHS)
+    # outermost: 401s and 413s answered by the layers above get a request id, a count, a line
+    app.add_middleware(AccessMiddleware, on_status=state.metrics.on_http_status)
     chat = ServingChat(state)
     completion = ServingCompletion(state)
     tokenizer = state.engine.tokenizer

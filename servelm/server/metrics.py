@@ -184,7 +184,7 @@ class ServerMetrics:
         # Counted at the outermost layer, so 401/413 answered by middleware count too.
         self.http_requests = Counter(
             p + "http_requests",
-            "HTTP requests answered, by status code (probes and scrapes left out).",
+            "HTTP requests answered, by status code (probes, scrapes, dashboard left out).",
             labels + ["status"],
             registry=r,
         )
@@ -231,6 +231,9 @@ class ServerMetrics:
             self.prefix_hits.labels(m).inc(stats.prefix_cache_hits)
         if stats.num_preemptions:
             self.preemptions.labels(m).inc(stats.num_preemptions)
+
+    def on_http_status(self, status: int) -> None:
+        self.http_requests.labels(self.model_name, str(status)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -279,32 +282,3 @@ class RequestTimer:
         m.request_prompt_tokens.labels(name).observe(num_prompt_tokens)
         m.request_generation_tokens.labels(name).observe(self.num_tokens)
         m.success.labels(name, reason).inc()
-
-
-class HTTPStatusMiddleware:
-    """Pure ASGI, outermost: counts each answered request by status code in
-    `servelm:http_requests_total`. Probes and scrapes (OPEN_PATHS) are left out: their rate
-    would drown the clients' in any panel."""
-
-    def __init__(self, app, metrics: ServerMetrics, skip_paths: frozenset[str]) -> None:
-        self.app, self.metrics, self.skip = app, metrics, skip_paths
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] in self.skip:
-            return await self.app(scope, receive, send)
-        status: int | None = None
-
-        async def counted(message: dict) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, counted)
-        except Exception:
-            status = status or 500  # what the server's error handler answers
-            raise
-        finally:
-            if status is not None:
-                self.metrics.http_requests.labels(self.metrics.model_name, str(status)).inc()

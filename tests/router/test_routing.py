@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from servelm.text.tokenizer import TextTokenizer
+from tests.live_server import LiveServer
 from tests.router.conftest import MODEL, Proc, admin_replicas, router, scrape, wait_for
 
 
@@ -38,6 +39,32 @@ def rr(cluster: list[Proc], log_dir: Path) -> Iterator[Proc]:
 
 def test_round_robin_is_even(cluster: list[Proc], rr: Proc) -> None:
     assert Counter(served_by(rr, 30)) == {p.url: 10 for p in cluster}
+
+
+def test_a_request_id_names_the_routers_log_line_and_the_replicas(
+    tiny_model_dir: Path, log_dir: Path
+) -> None:
+    replica = LiveServer(tiny_model_dir, "--served-model-name", MODEL)  # logs at info
+    try:
+        with router([replica.url], "round-robin", log_dir, "--log-level", "info") as r:
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2,
+            }
+            for sent in ("trace-route-1", None):
+                headers = {"X-Request-Id": sent} if sent else {}
+                answer = httpx.post(
+                    r.url + "/v1/chat/completions", json=body, headers=headers, timeout=60
+                )
+                assert answer.status_code == 200
+                request_id = answer.headers["x-request-id"]
+                assert request_id == (sent or request_id) and len(request_id) >= 8
+                for log in (r.log.read_text(), replica.log()):
+                    said = [x for x in log.splitlines() if f"request_id={request_id}" in x]
+                    assert len(said) == 1 and '"POST /v1/chat/completions" 200' in said[0]
+    finally:
+        replica.stop()
 
 
 def test_canary_weight_splits_traffic(cluster: list[Proc], log_dir: Path) -> None:

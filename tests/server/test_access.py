@@ -1,0 +1,71 @@
+"""Request ids and the access log: each client request gets an id (its own `X-Request-Id`, or
+a new one), sent back in the answer, and one log line when its answer is complete; probes,
+scrapes and the dashboard stay out of the log and out of `http_requests_total`."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import httpx
+import pytest
+
+from servelm.server.access import AccessMiddleware
+from servelm.server.metrics import ServerMetrics
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+
+
+def log_lines(server, request_id: str) -> list[str]:
+    return [line for line in server.log().splitlines() if f"request_id={request_id}" in line]
+
+
+def test_the_clients_request_id_comes_back_and_names_the_log_line(server):
+    r = httpx.post(server.base_url + "/chat/completions", json=CHAT, timeout=60,
+                   headers={"X-Request-Id": "trace-42"})  # fmt: skip
+    assert r.status_code == 200 and r.headers["x-request-id"] == "trace-42"
+    [line] = log_lines(server, "trace-42")
+    assert '"POST /v1/chat/completions" 200' in line and f"id={r.json()['id']}" in line
+    # a stream's line is written when its answer is complete
+    stream = {**CHAT, "stream": True}
+    with httpx.stream("POST", server.base_url + "/chat/completions", json=stream, timeout=60,
+                      headers={"X-Request-Id": "trace-43"}) as s:  # fmt: skip
+        assert s.headers["x-request-id"] == "trace-43"
+        assert "data: [DONE]" in list(s.iter_lines())
+    [line] = log_lines(server, "trace-43")
+    assert '"POST /v1/chat/completions" 200' in line and " id=chatcmpl-" in line
+
+
+def test_without_a_usable_id_the_server_makes_one_and_errors_get_one_too(server):
+    for sent in ({}, {"X-Request-Id": "two words"}, {"X-Request-Id": "x" * 200}):
+        r = httpx.post(server.base_url + "/completions", json={"model": "nope", "prompt": "a"},
+                       headers=sent, timeout=60)  # fmt: skip
+        assert r.status_code == 404
+        made = r.headers["x-request-id"]
+        assert re.fullmatch("[0-9a-f]{32}", made)
+        [line] = log_lines(server, made)
+        assert '"POST /v1/completions" 404' in line
+
+
+def test_probes_scrapes_and_the_dashboard_are_not_logged_or_counted(server):
+    before = server.metrics()
+    for path in ("/health", "/metrics", "/dashboard", "/dashboard/static/dashboard.js"):
+        r = httpx.get(server.url + path, headers={"X-Request-Id": "quiet-1"}, timeout=30)
+        assert r.status_code == 200 and "x-request-id" not in r.headers
+    assert log_lines(server, "quiet-1") == []
+    after = server.metrics()
+    counted = [k for k in after if k.startswith("servelm:http_requests_total")]
+    assert [after[k] - before.get(k, 0) for k in counted] == [0] * len(counted)
+
+
+def test_an_unhandled_exception_counts_as_500():
+    metrics = ServerMetrics("m", 16, 8)
+
+    async def broken(scope, receive, send):
+        raise RuntimeError("bug")
+
+    app = AccessMiddleware(broken, metrics.on_http_status)
+    scope = {"type": "http", "path": "/v1/completions", "method": "POST", "headers": []}
+    with pytest.raises(RuntimeError):
+        asyncio.run(app(scope, None, None))
+    assert metrics.http_requests.labels("m", "500")._value.get() == 1
