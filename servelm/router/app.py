@@ -235,8 +235,9 @@ async def unless_disconnected(request: Request, work: Coroutine[Any, Any, Respon
 
 def build_app(router: Router) -> Starlette:
     from servelm.router.admin import admin_routes
-    from servelm.router.dashboard import dashboard_routes
+    from servelm.router.dashboard import RouterDashboard, dashboard_routes
 
+    board = RouterDashboard(router)
     routes = [Route(p, router.proxied, methods=["POST"]) for p in PROXIED]
     routes += [
         Route("/v1/models", router.models, methods=["GET"]),
@@ -244,11 +245,12 @@ def build_app(router: Router) -> Starlette:
         Route("/health", router.health_route, methods=["GET"]),
         Route("/metrics", router.metrics_route, methods=["GET"]),
         *admin_routes(router),
-        *dashboard_routes(router),
+        *dashboard_routes(router, board),
     ]
     # each request's id (the client's X-Request-Id or a new one) goes on to the replica and
     # into the router's log line and the replica's
     access = [Middleware(AccessMiddleware)]
     app = Starlette(routes=routes, lifespan=router.lifespan, middleware=access)
     app.state.router = router
+    app.state.dashboard = board  # (closed when the router starts to drain)
     return app

@@ -145,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from servelm.router.app import Router, build_app
+    from servelm.server.graceful import GracefulServer
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -170,12 +171,16 @@ def run(args: argparse.Namespace) -> int:
         config.host,
         config.port,
     )
-    uvicorn.run(
-        app,
-        host=config.host,
-        port=config.port,
-        log_level=args.log_level,
-        access_log=False,
-        timeout_graceful_shutdown=args.shutdown_timeout,
+    server = GracefulServer(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level=args.log_level,
+            access_log=False,
+            timeout_graceful_shutdown=args.shutdown_timeout,
+        )
     )
+    server.on_exit_start = app.state.dashboard.close  # open pages must not hold up the drain
+    server.run()
     return 0

@@ -168,8 +168,7 @@ class RouterDashboard(FeedHub):
         )
 
 
-def dashboard_routes(router: Router) -> list[Route]:
-    board = RouterDashboard(router)
+def dashboard_routes(router: Router, board: RouterDashboard) -> list[Route]:
 
     def refuse(request: Request) -> Response | None:
         """401 without a valid key when keys are required (Bearer, or Basic for a browser)."""

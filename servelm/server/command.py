@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import os
-import signal
 import time
 
 import uvicorn
 
 from servelm.config import EngineArgs, parse_size, port_number
 from servelm.server.body_limit import DEFAULT_MAX_REQUEST_BYTES
+from servelm.server.graceful import GracefulServer
 from servelm.text.tool_parsers import PARSERS
 
 logger = logging.getLogger("servelm")
@@ -64,42 +63,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="how the model writes tool calls (default: from its chat template; hermes)",
     )
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-
-
-DRAIN_MARGIN = 0.5  # seconds before --shutdown-timeout that unfinished requests are ended
-
-
-class _Server(uvicorn.Server):
-    """uvicorn's server, except that SIGTERM / Ctrl-C only start a graceful shutdown, and a
-    second one (of either) during it stops at once.
-
-    uvicorn re-raises the signal once serving ends, which would kill this process before it
-    stops the engine process and before it can exit 0.
-    """
-
-    on_drain_deadline = None  # called a moment before the drain's timeout cuts what is left
-
-    def handle_exit(self, sig: int, frame) -> None:
-        if self.should_exit:  # already draining: a second signal means now
-            logger.warning("second signal: stopping without waiting for in-flight requests")
-            self.force_exit = True
-        elif self.on_drain_deadline and self.config.timeout_graceful_shutdown is not None:
-            # uvicorn cancels what still runs at the timeout, mid-chunk: end it first, with a
-            # 503 in-band, so each client hears why and every stream ends with [DONE]
-            deadline = max(0.0, self.config.timeout_graceful_shutdown - DRAIN_MARGIN)
-            asyncio.get_running_loop().call_later(deadline, self.on_drain_deadline)
-        self.should_exit = True
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self.handle_exit, sig, None)
-        try:
-            yield
-        finally:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.remove_signal_handler(sig)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -156,7 +119,8 @@ async def serve(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=args.shutdown_timeout,
         access_log=False,
     )
-    server = _Server(config)
+    server = GracefulServer(config)
+    server.on_exit_start = app.state.dashboard.close  # open pages must not hold up the drain
     server.on_drain_deadline = lambda: engine.stop_all(
         f"The server is shutting down: --shutdown-timeout {args.shutdown_timeout:g} s passed"
     )

@@ -70,6 +70,12 @@ _ITL_BUCKETS = (
     0.75,
     1.0,
     2.5,
+    5.0,  # vLLM's tail to 80 s: a CPU under load stalls streams for seconds (a long prompt
+    7.5,  # admitted beside them), and quantiles would read every such stall as 2.5 s
+    10.0,
+    20.0,
+    40.0,
+    80.0,
 )
 
 
@@ -242,9 +248,11 @@ class ServerMetrics:
 class RequestTimer:
     """Per-request latency bookkeeping: first token, gaps between tokens, end-to-end."""
 
-    def __init__(self, metrics: ServerMetrics, arrival: float) -> None:
+    def __init__(self, metrics: ServerMetrics, arrival: float, num_prompt_tokens: int) -> None:
         self.metrics = metrics
         self.arrival = arrival
+        self.num_prompt_tokens = num_prompt_tokens
+        self.prompt_counted = False
         self.first: float | None = None
         self.last: float | None = None
         self.queued: float | None = None  # arrival to first schedule, as the engine says
@@ -259,6 +267,10 @@ class RequestTimer:
             return
         m.generation_tokens.labels(name).inc(num_tokens)
         if self.last is None:
+            # the prompt has run: counted now, not at the end (a rate panel would lag by
+            # the whole answer and spike)
+            m.prompt_tokens.labels(name).inc(self.num_prompt_tokens)
+            self.prompt_counted = True
             m.ttft.labels(name).observe(now - self.arrival)
             if self.queued is not None:
                 m.prefill_time.labels(name).observe(max(0.0, now - self.arrival - self.queued))
@@ -278,7 +290,8 @@ class RequestTimer:
             m.tpot.labels(name).observe(tpot)
         if self.first is not None:
             m.decode_time.labels(name).observe(self.last - self.first)
-        m.prompt_tokens.labels(name).inc(num_prompt_tokens)
+        if not self.prompt_counted:  # (a prompt-only answer, max_tokens 0)
+            m.prompt_tokens.labels(name).inc(num_prompt_tokens)
         m.request_prompt_tokens.labels(name).observe(num_prompt_tokens)
         m.request_generation_tokens.labels(name).observe(self.num_tokens)
         m.success.labels(name, reason).inc()

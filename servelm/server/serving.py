@@ -312,7 +312,7 @@ class OpenAIServing:
         queue: asyncio.Queue[tuple[int, TextDelta] | Exception | None] = asyncio.Queue()
 
         async def one(index: int, prompt: list[int], p: SamplingParams) -> None:
-            timer, finished, cut = RequestTimer(state.metrics, arrival), False, "abort"
+            timer, finished, cut = RequestTimer(state.metrics, arrival, len(prompt)), False, "abort"
             try:
                 async for delta in self.engine.generate(
                     f"{request_id}-{index}", prompt, p, priority, arrival

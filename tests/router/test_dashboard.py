@@ -12,6 +12,7 @@ import openai
 
 from tests.router.conftest import MODEL, Proc, router
 from tests.server.test_dashboard import launch, login_in_a_browser
+from tests.server.test_drain_signals import feed_open_through_a_signal
 
 
 def router_events(url: str, headers: dict | None = None, timeout: float = 30.0):
@@ -98,3 +99,11 @@ def test_with_api_keys_the_router_page_needs_one(
         assert login_in_a_browser(r.url, "sk-dash") == 200
         event = next(router_events(r.url, {"Authorization": "Bearer sk-dash"}))
         assert event["kind"] == "router"
+
+
+def test_an_open_router_dashboard_does_not_hold_up_the_drain(log_dir: Path) -> None:
+    from servelm.server.dashboard import STREAM_SECONDS
+
+    with router(["http://127.0.0.1:9"], "round-robin", log_dir, wait_healthy=False) as r:
+        assert feed_open_through_a_signal(r.url, r.popen.pid) < STREAM_SECONDS / 3
+        assert r.popen.wait(STREAM_SECONDS / 2) == 0

@@ -15,6 +15,7 @@ import pytest
 from servelm.text.tokenizer import TextTokenizer
 from tests.live_server import LiveServer
 from tests.router.conftest import MODEL, Proc, admin_replicas, router, scrape, wait_for
+from tests.server.test_access import log_lines
 
 
 def served_by(r: Proc, n: int, **kw) -> list[str]:
@@ -60,8 +61,8 @@ def test_a_request_id_names_the_routers_log_line_and_the_replicas(
                 assert answer.status_code == 200
                 request_id = answer.headers["x-request-id"]
                 assert request_id == (sent or request_id) and len(request_id) >= 8
-                for log in (r.log.read_text(), replica.log()):
-                    said = [x for x in log.splitlines() if f"request_id={request_id}" in x]
+                for log in (r.log.read_text, replica.log):
+                    said = log_lines(log, request_id)
                     assert len(said) == 1 and '"POST /v1/chat/completions" 200' in said[0]
     finally:
         replica.stop()

@@ -179,3 +179,27 @@ def test_streams_left_at_the_timeout_end_with_a_503_and_done(default_model_dir):
         assert group_gone(server.proc.pid), "a process of the server was left behind"
     finally:
         server.stop(signal.SIGKILL)
+
+
+def feed_open_through_a_signal(url: str, pid: int) -> float:
+    """Opens the dashboard's feed, sends SIGTERM to `pid` once the first event is in, and
+    returns how long the feed then stayed open (seconds)."""
+    with httpx.stream("GET", url + "/dashboard/feed", timeout=60) as feed:
+        lines = feed.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        os.kill(pid, signal.SIGTERM)
+        signalled = time.monotonic()
+        for _ in lines:  # until the server ends the stream
+            pass
+    return time.monotonic() - signalled
+
+
+def test_an_open_dashboard_does_not_hold_up_the_drain(tiny_model_dir):
+    from servelm.server.dashboard import STREAM_SECONDS
+
+    server = LiveServer(tiny_model_dir, new_session=True)
+    try:
+        assert feed_open_through_a_signal(server.url, server.proc.pid) < STREAM_SECONDS / 3
+        assert server.proc.wait(STREAM_SECONDS / 2) == 0
+    finally:
+        server.stop(signal.SIGKILL)

@@ -111,6 +111,13 @@ class FeedHub:
         self._changed = asyncio.Event()
         self._producing = False
         self._stopper: asyncio.Task | None = None
+        self.closed = False
+
+    def close(self) -> None:
+        """Ends every page's stream now, and new ones at once: the server is draining, and an
+        open page would otherwise hold the drain up for a stream's life."""
+        self.closed = True
+        self._changed.set()
 
     def _start(self) -> None: ...
 
@@ -150,7 +157,7 @@ class FeedHub:
         yield b"retry: %d\n\n" % RECONNECT_MS
         end = time.monotonic() + STREAM_SECONDS
         seen = -1
-        while time.monotonic() < end:
+        while time.monotonic() < end and not self.closed:
             if self.version == seen:
                 self._changed.clear()
                 with contextlib.suppress(asyncio.TimeoutError):
@@ -363,6 +370,7 @@ def static_response(name: str) -> Response:
 
 def install_dashboard(app: FastAPI, hub: DashboardHub) -> None:
     """The routes (left out of /openapi.json: a page and an endless stream, not API)."""
+    app.state.dashboard = hub  # (closed when the server starts to drain)
 
     @app.get("/dashboard", include_in_schema=False)
     async def dashboard_page() -> Response:
