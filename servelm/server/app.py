@@ -97,7 +97,9 @@ def build_app(
         chat.check_model(req.model)
         if req.messages is not None:  # counted as a chat completion would count them
             setup = chat.tool_setup(req)
-            ids = await chat.encode_messages(req.messages, req.add_generation_prompt, setup)
+            ids = await chat.encode_messages(
+                req.messages, req.add_generation_prompt, setup, req.chat_template_kwargs
+            )
         elif req.prompt is not None:
             ids = await chat.encode(req.prompt, req.add_special_tokens, bounded=False)
         else:

@@ -202,6 +202,9 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's extension: the chat template's own variables (Qwen3's `enable_thinking`), as
+    # transformers' apply_chat_template(**kwargs) takes them (text/chat_template.py)
+    chat_template_kwargs: dict[str, Any] | None = None
     # OpenAI's deprecated form of tools: accepted only to be refused by name (serving_chat)
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
@@ -236,6 +239,7 @@ class TokenizeRequest(RequestBody):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(RequestBody):

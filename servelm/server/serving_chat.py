@@ -30,7 +30,11 @@ from servelm.server.serving_tools import (
 )
 from servelm.server.sse import SSE_HEADERS
 from servelm.server.structured import checked_structure
-from servelm.text.chat_template import ChatTemplateError, with_template_roles
+from servelm.text.chat_template import (
+    ChatTemplateError,
+    TemplateKwargsError,
+    with_template_roles,
+)
 from servelm.text.tool_prompt import prepare_messages
 
 
@@ -58,8 +62,8 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                 message = f"messages.{i}.content: only text parts are supported, got {kind!r}."
                 raise APIError(400, message, "messages")
         d = m.model_dump(exclude_none=True)
-        if isinstance(m.content, list):  # [{"type": "text", "text": ...}] -> plain text
-            d["content"] = "".join(part["text"] for part in m.content)
+        if isinstance(m.content, list):  # text parts -> one text, a line apart as vLLM joins them
+            d["content"] = "\n".join(part["text"] for part in m.content)
         d.setdefault("content", "")  # an assistant's tool calls alone: templates read it
         out.append(d)
     return out
@@ -68,7 +72,9 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 class ServingChat(OpenAIServing):
     def __init__(self, state) -> None:
         super().__init__(state)
-        self.tool_parser = server_parser(state.tool_call_parser, self.tokenizer.chat_template)
+        # (the template that renders tools: a named `tool_use` one where the model has it)
+        tool_template = self.tokenizer.chat_template_for(tools=True)
+        self.tool_parser = server_parser(state.tool_call_parser, tool_template)
 
     def tool_setup(self, req: ChatCompletionRequest | TokenizeRequest) -> ToolSetup | None:
         """What the request's `tools`, `tool_choice` and `parallel_tool_calls` mean."""
@@ -79,15 +85,26 @@ class ServingChat(OpenAIServing):
         messages: list[ChatMessage],
         add_generation_prompt: bool,
         setup: ToolSetup | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """The prompt ids of a conversation (chat completions and /tokenize alike), tools and
-        tool turns as `text/tool_prompt.py` writes them."""
-        template = self.tokenizer.chat_template
-        msgs = with_template_roles(template_messages(messages), template)
+        tool turns as `text/tool_prompt.py` writes them, `template_kwargs` (a request's
+        `chat_template_kwargs`) as the template's own variables."""
         tools, parallel = (setup.tools, setup.parallel) if setup else (None, True)
-        msgs, tools = prepare_messages(msgs, tools, template, parallel)
+        template = self.tokenizer.chat_template_for(tools is not None)
+        msgs = with_template_roles(template_messages(messages), template)
+        special = self.tokenizer.special_tokens
+        msgs, tools = prepare_messages(msgs, tools, template, parallel, special)
         try:
-            return await self.encode_chat(msgs, add_generation_prompt, tools=tools)
+            return await self.encode_chat(
+                msgs,
+                add_generation_prompt,
+                tools=tools,
+                template_kwargs=template_kwargs,
+                chat_template=template,
+            )
+        except TemplateKwargsError as exc:
+            raise APIError(400, str(exc), "chat_template_kwargs") from None
         except ChatTemplateError as exc:
             raise APIError(400, str(exc), "messages") from None
 
@@ -104,7 +121,9 @@ class ServingChat(OpenAIServing):
             )
         self.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
         tools = self.tool_setup(req)
-        prompt_ids = await self.encode_messages(req.messages, req.add_generation_prompt, tools)
+        prompt_ids = await self.encode_messages(
+            req.messages, req.add_generation_prompt, tools, req.chat_template_kwargs
+        )
         self.check_prompt_length(prompt_ids)
         max_tokens = req.max_completion_tokens or req.max_tokens
         asked = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"

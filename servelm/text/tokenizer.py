@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -53,6 +54,47 @@ def _read_json(path: Path) -> dict[str, Any]:
     return value
 
 
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ModelFileError(f"cannot read {path}: {exc.strerror}") from None
+    except ValueError:
+        raise ModelFileError(f"{path} is not UTF-8 text") from None
+
+
+def _chat_templates(model_dir: Path, cfg: dict[str, Any]) -> dict[str, str]:
+    """A folder's chat templates by name, found as transformers' tokenizer finds them: the files
+    (chat_template.jinja, as `default`, and additional_chat_templates/NAME.jinja), where there
+    are any, replace tokenizer_config.json's `chat_template` (one template, or a list of named
+    ones) altogether. chat_template.json is a processor's file, which the tokenizer never reads."""
+    files = {}
+    if (model_dir / "chat_template.jinja").is_file():
+        files["default"] = _read_text(model_dir / "chat_template.jinja")
+    extra = model_dir / "additional_chat_templates"
+    for path in sorted(extra.glob("*.jinja")) if extra.is_dir() else ():
+        files[path.name.removesuffix(".jinja")] = _read_text(path)
+    if files:
+        return files
+    template = cfg.get("chat_template")
+    if template is None:
+        return {}
+    if isinstance(template, str):
+        return {"default": template}
+    named = template if isinstance(template, list) else [None]
+    if not all(
+        isinstance(t, dict)
+        and isinstance(t.get("name"), str)
+        and isinstance(t.get("template"), str)
+        for t in named
+    ):
+        raise ModelFileError(
+            f"{model_dir / 'tokenizer_config.json'}: chat_template must be a string or a list "
+            'of {"name": ..., "template": ...} objects'
+        )
+    return {t["name"]: t["template"] for t in named}
+
+
 def _token_text(value: Any) -> str | None:
     if isinstance(value, dict):  # {"content": "<s>", ...} form of older configs
         return value.get("content")
@@ -75,13 +117,7 @@ class TextTokenizer:
         self.special_tokens = {
             k: t for k in _SPECIAL_KEYS if (t := _token_text(cfg.get(k))) is not None
         }
-        template = cfg.get("chat_template")
-        if isinstance(template, list):  # named templates: take the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        jinja_file = model_dir / "chat_template.jinja"
-        if template is None and jinja_file.is_file():
-            template = jinja_file.read_text()
-        self.chat_template: str | None = template
+        self.chat_templates = _chat_templates(model_dir, cfg)
 
         gen = _read_json(model_dir / "generation_config.json")
         model_cfg = _read_json(model_dir / "config.json")
@@ -97,6 +133,18 @@ class TextTokenizer:
             repetition_penalty=gen.get("repetition_penalty"),
             eos_token_ids=eos_ids,
         )
+
+    @property
+    def chat_template(self) -> str | None:
+        """The template a conversation without tools is rendered with."""
+        return self.chat_template_for(tools=False)
+
+    def chat_template_for(self, tools: bool) -> str | None:
+        """The template a conversation is rendered with, as transformers' `get_chat_template`
+        picks it among named ones: `tool_use` when the template gets tools, else `default`."""
+        if tools and "tool_use" in self.chat_templates:
+            return self.chat_templates["tool_use"]
+        return self.chat_templates.get("default")
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -157,12 +205,21 @@ class TextTokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
-        **extra: Any,
+        template_kwargs: Mapping[str, Any] | None = None,
+        chat_template: str | None = None,
     ) -> str:
-        if not self.chat_template:
+        """The conversation rendered with `chat_template`, by default the one transformers would
+        pick for it (`chat_template_for`); `template_kwargs` as its `**kwargs`."""
+        template = chat_template or self.chat_template_for(tools is not None)
+        if not template:
+            if self.chat_templates:  # transformers refuses the same way
+                names = ", ".join(sorted(self.chat_templates))
+                raise ChatTemplateError(
+                    f"this model's chat templates ({names}) include no default one"
+                )
             raise ChatTemplateError("this model has no chat template; use the completions API")
         return render_chat_template(
-            self.chat_template, messages, add_generation_prompt, self.special_tokens, tools, **extra
+            template, messages, add_generation_prompt, self.special_tokens, tools, template_kwargs
         )
 
     def encode_chat(

@@ -3,9 +3,11 @@ them, otherwise as servelm's Hermes-style text (a plain ChatML template drops th
 
 servelm's text, for a template that does not mention `tools`:
 
-- the tools go in a system message (appended to the conversation's own, or a new first one):
-  a short instruction, each tool's `{"type": "function", "function": {...}}` as one JSON line
-  between `<tools>` and `</tools>`, and the call format,
+- the tools go in a system message (appended to the conversation's own, or a new first one),
+  or, where the template has no system role (Gemma 2's raises, Mistral v0.1/v0.2's want turns
+  to alternate from a user one), at the start of the first user message: a short instruction,
+  each tool's `{"type": "function", "function": {...}}` as one JSON line between `<tools>`
+  and `</tools>`, and the call format,
   `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one block per call;
 - an assistant turn's `tool_calls` are appended to its content in that format;
 - `role: tool` messages become a user turn, each result between `<tool_response>` and
@@ -19,7 +21,10 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from typing import Any
+
+from servelm.text.chat_template import template_keeps_system
 
 _TOOLS_VARIABLE = re.compile(r"\btools\b")
 
@@ -111,18 +116,36 @@ def prepare_messages(
     tools: list[dict[str, Any]] | None,
     template: str | None,
     parallel: bool = True,
+    special_tokens: Mapping[str, str] | None = None,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """(messages, tools) to render: unchanged for a template that reads tools (arguments as
-    objects), servelm's text otherwise (and no `tools` for the template)."""
+    objects), servelm's text otherwise (and no `tools` for the template). `special_tokens`:
+    those the template is rendered with."""
     if template_handles_tools(template):
         return _with_objects(messages), tools or None
     messages = _as_text(messages)
-    if tools:
-        block = tools_instruction(tools, parallel)
+    if not tools:
+        return messages, None
+    block = tools_instruction(tools, parallel)
+    if template is None or template_keeps_system(template, special_tokens):
         if messages and messages[0].get("role") in ("system", "developer"):
-            first = messages[0]
-            content = first.get("content") or ""
-            messages[0] = {**first, "content": f"{content}\n\n{block}" if content else block}
+            messages[0] = _with_block(messages[0], block)
         else:
             messages.insert(0, {"role": "system", "content": block})
+        return messages, None
+    # A template without a system role: the first user turn starts with the block, as Gemma's
+    # own guidance places instructions. A system message the request sent still meets the
+    # template's refusal (as it would with transformers or vLLM); servelm adds none of its own.
+    first_user = next((i for i, m in enumerate(messages) if m.get("role") == "user"), None)
+    if first_user is None:
+        messages.insert(0, {"role": "user", "content": block})
+    else:
+        messages[first_user] = _with_block(messages[first_user], block, before=True)
     return messages, None
+
+
+def _with_block(message: dict[str, Any], block: str, before: bool = False) -> dict[str, Any]:
+    content = message.get("content") or ""
+    if not content:
+        return {**message, "content": block}
+    return {**message, "content": f"{block}\n\n{content}" if before else f"{content}\n\n{block}"}

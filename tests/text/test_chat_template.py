@@ -31,9 +31,9 @@ CONVERSATIONS = {
 }
 
 
-def _hf_ids(hf_tok, messages, add_generation_prompt: bool) -> list[int]:
+def _hf_ids(hf_tok, messages, add_generation_prompt: bool, **kwargs) -> list[int]:
     out = hf_tok.apply_chat_template(
-        messages, tokenize=True, add_generation_prompt=add_generation_prompt
+        messages, tokenize=True, add_generation_prompt=add_generation_prompt, **kwargs
     )
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
@@ -115,3 +115,106 @@ def test_developer_is_system_unless_the_template_knows_it():
     assert [m["role"] for m in with_template_roles(msgs, plain)] == ["system", "user"]
     knows = "{% for m in messages %}{% if m['role'] == 'developer' %}D{% endif %}{% endfor %}"
     assert with_template_roles(msgs, knows) == msgs
+
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+OLD = "OLD{% for m in messages %}[{{ m.role }}] {{ m.content }}{% endfor %}"
+NEW = "NEW{% for m in messages %}[{{ m.role }}] {{ m.content }}{% endfor %}"
+TOOL_USE = "TOOL_USE{% for t in tools %}<{{ t.function.name }}>{% endfor %}" + OLD
+NAMED = [{"name": "default", "template": OLD}, {"name": "tool_use", "template": TOOL_USE}]
+# (config's chat_template, {file: text}) of the folder layouts models ship
+LAYOUTS = {
+    "named": (NAMED, {}),
+    "jinja-file-over-config": (OLD, {"chat_template.jinja": NEW}),
+    "jinja-file-over-named": (NAMED, {"chat_template.jinja": NEW}),
+    "additional-files": (
+        OLD,
+        {"chat_template.jinja": NEW, "additional_chat_templates/tool_use.jinja": TOOL_USE},
+    ),
+    "processor-json-only": (None, {"chat_template.json": json.dumps({"chat_template": NEW})}),
+    "named-without-default": ([{"name": "tool_use", "template": TOOL_USE}], {}),
+}
+
+
+@pytest.mark.parametrize("tools", [None, [TOOL]], ids=["no-tools", "tools"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_the_template_is_chosen_as_transformers_chooses_it(tiny_model_dir, tmp_path, layout, tools):
+    from transformers import AutoTokenizer
+
+    config_template, files = LAYOUTS[layout]
+    folder = _folder_with_template(tiny_model_dir, tmp_path, config_template)
+    for name, text in files.items():
+        (folder / name).parent.mkdir(exist_ok=True)
+        (folder / name).write_text(text)
+    hf = AutoTokenizer.from_pretrained(folder)
+    ours = TextTokenizer(folder)
+    messages = [{"role": "user", "content": "hi"}]
+    try:
+        want = hf.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=True
+        )
+    except ValueError:  # no template for this conversation
+        with pytest.raises(ChatTemplateError):
+            ours.apply_chat_template(messages, True, tools=tools)
+        assert ours.chat_template_for(tools is not None) is None
+        return
+    assert ours.apply_chat_template(messages, True, tools=tools) == want
+    assert ours.chat_template_for(tools is not None) == hf.get_chat_template(tools=tools)
+
+
+def test_a_malformed_list_of_templates_names_the_file(tiny_model_dir, tmp_path):
+    from servelm.store.errors import ModelFileError
+
+    folder = _folder_with_template(tiny_model_dir, tmp_path, [{"template": OLD}])
+    with pytest.raises(ModelFileError, match=r"tokenizer_config\.json: chat_template must be"):
+        TextTokenizer(folder)
+
+
+# Qwen3's switch (shortened), and variables other templates read from apply_chat_template's kwargs
+KWARGS_TEMPLATE = (
+    "{{ bos_token }}{% for d in documents or [] %}<doc>{{ d.text }}</doc>{% endfor %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% endif %}{% endif %}{{ date_string | default('') }}"
+)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"enable_thinking": False},
+        {"enable_thinking": True, "date_string": "26 Jul 2024"},
+        {"documents": [{"title": "a", "text": "The fox."}]},
+        {"bos_token": "<|endoftext|>"},  # over the special token, as transformers has it
+    ],
+)
+def test_template_kwargs_render_as_transformers_kwargs(tiny_model_dir, tmp_path, kwargs):
+    from transformers import AutoTokenizer
+
+    folder = _folder_with_template(tiny_model_dir, tmp_path, KWARGS_TEMPLATE)
+    hf = AutoTokenizer.from_pretrained(folder)
+    ours = TextTokenizer(folder)
+    messages = CONVERSATIONS["system"]
+    want = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+    assert ours.apply_chat_template(messages, True, template_kwargs=kwargs) == want
+    ids = _hf_ids(hf, messages, True, **kwargs)
+    assert ours.encode_chat(messages, True, template_kwargs=kwargs) == ids
+
+
+@pytest.mark.parametrize(
+    "key", ["messages", "tools", "add_generation_prompt", "chat_template", "tokenize"]
+)
+def test_template_kwargs_may_not_set_what_the_renderer_sets(tiny_model_dir, key):
+    from servelm.text.chat_template import TemplateKwargsError
+
+    ours = TextTokenizer(tiny_model_dir)
+    with pytest.raises(TemplateKwargsError, match=rf"^chat_template_kwargs\.{key} "):
+        ours.apply_chat_template(CONVERSATIONS["system"], True, template_kwargs={key: None})
+
+
+def test_a_template_failing_on_a_kwarg_is_a_chat_template_error(tiny_model_dir, tmp_path):
+    folder = _folder_with_template(tiny_model_dir, tmp_path, "{{ limit + 1 }}")
+    with pytest.raises(ChatTemplateError, match="TypeError"):
+        TextTokenizer(folder).apply_chat_template([], template_kwargs={"limit": "ten"})

@@ -5,9 +5,15 @@ from __future__ import annotations
 
 import json
 
-from servelm.text.chat_template import render_chat_template
+import pytest
+
+from servelm.text.chat_template import (
+    ChatTemplateError,
+    render_chat_template,
+    template_keeps_system,
+)
 from servelm.text.tool_parsers import parse
-from servelm.text.tool_prompt import prepare_messages, template_handles_tools
+from servelm.text.tool_prompt import prepare_messages, template_handles_tools, tools_instruction
 from tests.tiny_model import CHATML
 
 TOOL = {
@@ -23,6 +29,7 @@ CALL = {
     "type": "function",
     "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
 }
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
 HISTORY = [
     {"role": "user", "content": "Weather in Paris and Oslo?"},
     {"role": "assistant", "content": "", "tool_calls": [CALL, {**CALL, "id": "call_2"}]},
@@ -88,3 +95,71 @@ def test_a_template_that_reads_tools_gets_them_and_arguments_as_objects():
     assert rendered.startswith("TOOLS:get_weather;|user: ")
     assert 'CALL get_weather {"city": "Paris"}' in rendered  # an object, not a quoted string
     assert "|tool: sunny|tool: rain|" in rendered
+
+
+# The official templates of two models without a system role, verbatim: Gemma 2's
+# (google/gemma-2-2b-it) and Mistral-7B-Instruct-v0.2's.
+GEMMA2 = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
+    "{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}"
+    "{% set role = message['role'] %}{% endif %}{{ '<start_of_turn>' + role + '\\n' + "
+    "message['content'] | trim + '<end_of_turn>\\n' }}{% endfor %}{% if add_generation_prompt %}"
+    "{{'<start_of_turn>model\\n'}}{% endif %}"
+)
+MISTRAL_V02 = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token}}"
+    "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}"
+    "{% endif %}{% endfor %}"
+)
+# Phi-3-mini's first template: a system message is dropped without a word.
+DROPS_SYSTEM = (
+    "{% for message in messages %}{% if message['role'] == 'user' %}"
+    "{{'<|user|>\\n' + message['content'] + '<|end|>\\n'}}{% elif message['role'] == 'assistant' %}"
+    "{{'<|assistant|>\\n' + message['content'] + '<|end|>\\n'}}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+SPECIAL = {"bos_token": "<s>", "eos_token": "</s>"}
+
+
+@pytest.mark.parametrize("template", [GEMMA2, MISTRAL_V02, DROPS_SYSTEM])
+def test_without_a_system_role_the_tools_open_the_first_user_turn(template):
+    messages, tools = prepare_messages(ASK, [TOOL], template, special_tokens=SPECIAL)
+    assert tools is None and [m["role"] for m in messages] == ["user"]
+    assert messages[0]["content"] == tools_instruction([TOOL]) + "\n\nWeather in Paris?"
+    rendered = render_chat_template(template, messages, True, SPECIAL)  # no longer raises
+    assert json.dumps(TOOL) in rendered and rendered.rstrip().endswith(
+        ("Weather in Paris? [/INST]", "<start_of_turn>model", "<|assistant|>")
+    )
+
+
+@pytest.mark.parametrize("template", [GEMMA2, MISTRAL_V02])
+def test_a_tool_history_renders_where_turns_must_alternate(template):
+    messages, _ = prepare_messages(HISTORY, [TOOL], template, special_tokens=SPECIAL)
+    assert [m["role"] for m in messages] == ["user", "assistant", "user"]
+    assert messages[0]["content"].startswith("# Tools")
+    assert "<tool_response>\nsunny" in render_chat_template(template, messages, True, SPECIAL)
+
+
+def test_a_system_message_sent_to_a_template_without_the_role_is_still_refused():
+    # as transformers and vLLM refuse it: servelm moves only the text it adds itself
+    system = {"role": "system", "content": "Be brief."}
+    messages, _ = prepare_messages([system, *ASK], [TOOL], GEMMA2, special_tokens=SPECIAL)
+    assert messages[0] == system and messages[1]["content"].startswith("# Tools")
+    with pytest.raises(ChatTemplateError, match="System role not supported"):
+        render_chat_template(GEMMA2, messages, True, SPECIAL)
+
+
+def test_which_templates_keep_a_system_message():
+    assert template_keeps_system(CHATML, SPECIAL)
+    assert not template_keeps_system(GEMMA2, SPECIAL)
+    assert not template_keeps_system(MISTRAL_V02, SPECIAL)
+    assert not template_keeps_system(DROPS_SYSTEM, SPECIAL)
+    # a template adding `bos_token + ...` renders only with the special tokens it is given
+    assert template_keeps_system("{{ bos_token + messages[0]['content'] }}", SPECIAL)
