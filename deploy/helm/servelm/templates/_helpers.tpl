@@ -82,6 +82,90 @@ dir: {{ printf "/models/%s/%s" $rev ($repo | replace "/" "--") | quote }}
 {{- $mode }}
 {{- end }}
 
+{{/* "true" when the engine pod fetches its own weights in an init container, with no Job: a
+     ReadWriteOnce(Pod) claim holds one engine pod, and a fetch Job's pod beside it would be a
+     second pod on the claim that nothing puts on the same node (the scheduler does not
+     co-locate by claim); on block storage it would wait on Multi-Attach, the engine on it. */}}
+{{- define "servelm.fetchInPod" -}}
+{{- if ne (include "servelm.accessMode" .) "ReadWriteMany" }}true{{ end }}
+{{- end }}
+
+{{/* The `servelm fetch` container of a track's model: the fetch Job's, or the engine pod's
+     init container (servelm.fetchInPod). Call with (dict "root" $ "model" $m). */}}
+{{- define "servelm.fetchContainer" -}}
+{{- $v := .root.Values -}}
+name: fetch
+image: {{ include "servelm.image" .root }}
+imagePullPolicy: {{ $v.image.pullPolicy }}
+# resumes an interrupted download; a complete folder asks the hub nothing
+command: [servelm, fetch]
+args:
+  - {{ .model.repo }}
+  - --revision={{ .model.revision }}
+  - --store={{ .model.store }}
+env:
+  - name: HF_HUB_OFFLINE  # the image runs offline; the fetch is the one that may not
+    value: "0"
+  {{- with $v.model.hfEndpoint }}
+  - name: HF_ENDPOINT
+    value: {{ . | quote }}
+  {{- end }}
+  {{- if $v.model.hfToken.secretName }}
+  - name: HF_TOKEN
+    valueFrom:
+      secretKeyRef:
+        name: {{ $v.model.hfToken.secretName }}
+        key: {{ $v.model.hfToken.secretKey }}
+  {{- end }}
+resources:
+  {{- toYaml $v.fetch.resources | nindent 2 }}
+securityContext:
+  {{- toYaml $v.engine.securityContext | nindent 2 }}
+volumeMounts:
+  - name: models
+    mountPath: /models
+  - name: tmp
+    mountPath: /tmp
+{{- end }}
+
+{{/* The fetch Job's spec. Call with (dict "root" $ "model" $m). */}}
+{{- define "servelm.fetchJobSpec" -}}
+{{- $v := .root.Values -}}
+backoffLimit: {{ $v.fetch.backoffLimit }}
+activeDeadlineSeconds: {{ $v.fetch.activeDeadlineSeconds }}
+template:
+  metadata:
+    labels:
+      {{- include "servelm.selectorLabels" .root | nindent 6 }}
+      app.kubernetes.io/component: fetch
+  spec:
+    restartPolicy: OnFailure
+    {{- with $v.imagePullSecrets }}
+    imagePullSecrets:
+      {{- toYaml . | nindent 6 }}
+    {{- end }}
+    securityContext:
+      {{- toYaml $v.engine.podSecurityContext | nindent 6 }}
+    containers:
+      - {{ include "servelm.fetchContainer" . | indent 8 | trim }}
+    volumes:
+      - name: models
+        persistentVolumeClaim:
+          claimName: {{ include "servelm.claimName" .root }}
+      - name: tmp
+        emptyDir: {}
+{{- end }}
+
+{{/* Seconds the startup probe gives a track's engine: twice its load-time budget, plus on the
+     CPU engine.kernelBuildSeconds, for a pod's first start compiling servelm's C kernels (they
+     are CPU-only; a restarted container finds them in the pod's kernel cache volume).
+     Call with (dict "root" $ "track" "stable"). */}}
+{{- define "servelm.startupSeconds" -}}
+{{- $m := include "servelm.trackModel" . | fromYaml }}
+{{- $e := .root.Values.engine }}
+{{- add (mul 2 $m.budget) (ternary 0 $e.kernelBuildSeconds (gt (int $e.gpus) 0)) }}
+{{- end }}
+
 {{- define "servelm.claimName" -}}
 {{- .Values.storage.existingClaim | default (printf "%s-models" (include "servelm.fullname" .)) }}
 {{- end }}
