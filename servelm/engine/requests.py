@@ -64,15 +64,19 @@ def child_requests(
     arrival = arrival_time or time.time()
     out = []
     for i in range(params.n):
-        p = params
-        if params.n > 1:
-            seed = params.seed
-            if seed is not None:
-                low, high = INT64
-                seed = (seed + i - low) % (high - low + 1) + low
-            p = dataclasses.replace(params, n=1, seed=seed)
+        p = params if params.n == 1 else choice_params(params, i)
         rid = request_id if params.n == 1 else f"{request_id}-{i}"
         out.append(
             Request(rid, list(prompt_token_ids), p, frozenset(eos_token_ids), arrival, priority)
         )
     return out
+
+
+def choice_params(params: SamplingParams, i: int) -> SamplingParams:
+    """Choice i of a request for `n`, as a request of its own: seed + i, wrapping around within
+    the 64-bit seed range (seed 2**63 - 1 with n = 2 is a valid request)."""
+    seed = params.seed
+    if seed is not None:
+        low, high = INT64
+        seed = (seed + i - low) % (high - low + 1) + low
+    return dataclasses.replace(params, n=1, seed=seed)

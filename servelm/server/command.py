@@ -14,7 +14,7 @@ import time
 
 import uvicorn
 
-from servelm.config import EngineArgs, parse_size, port_number
+from servelm.config import EngineArgs, bounded_int, parse_size, port_number
 from servelm.server.body_limit import DEFAULT_MAX_REQUEST_BYTES
 from servelm.server.graceful import GracefulServer
 from servelm.text.tool_parsers import PARSERS
@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--max-queued-requests",
-        type=int,
+        type=bounded_int(0),
         default=256,
         help="requests waiting for a place in the running batch before new ones get 503",
     )

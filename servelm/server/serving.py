@@ -23,7 +23,7 @@ from fastapi import Request
 from servelm.engine.client import AsyncEngineClient, EngineDeadError, RequestsStopped
 from servelm.engine.output_processor import TextDelta
 from servelm.engine.outputs import Logprobs
-from servelm.engine.requests import default_sampling_params
+from servelm.engine.requests import choice_params, default_sampling_params
 from servelm.engine.sampling_params import (
     MAX_LOGPROBS,
     InvalidParamError,
@@ -113,7 +113,10 @@ class OpenAIServing:
                 f"The engine is not running: {self.engine.dead_reason}.",
                 headers={"Retry-After": "5"},
             )
-        if self.num_queued() >= self.state.max_queued_requests:
+        queued = self.num_queued()
+        # (with --max-queued-requests 0, refused only when it would have to wait)
+        would_wait = queued > 0 or self.state.in_flight >= self.engine.args.max_num_seqs
+        if would_wait and queued >= self.state.max_queued_requests:
             raise APIError(
                 503,
                 "The server is at capacity (waiting queue full); retry later.",
@@ -306,6 +309,9 @@ class OpenAIServing:
         Choice i of prompt p has index p*n+i. The requests count as waiting (for admission
         control) from this call until each produces its first token.
         """
+        if priority and self.engine.args.scheduling_policy != "priority":  # (vLLM's rule)
+            message = "priority is only honoured with --scheduling-policy priority."
+            raise APIError(400, message, "priority")
         arrival = time.time()
         n = params.n
         state = self.state
@@ -335,8 +341,7 @@ class OpenAIServing:
         tasks = []
         for pi, prompt in enumerate(prompts):
             for ci in range(n):
-                seed = None if params.seed is None else params.seed + ci
-                p = SamplingParams(**{**params.__dict__, "n": 1, "seed": seed})
+                p = choice_params(params, ci)
                 # counted now, not when the task first runs (admission reads it), and uncounted
                 # when it is done, even cancelled before it ever ran
                 state.in_flight += 1

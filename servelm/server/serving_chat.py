@@ -128,6 +128,8 @@ class ServingChat(OpenAIServing):
         max_tokens = req.max_completion_tokens or req.max_tokens
         asked = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
         self.check_output_room([prompt_ids], max_tokens, asked)
+        if max_tokens is None:  # a chat answer runs to its end (OpenAI, vLLM), not 16 tokens
+            max_tokens = self.state.max_model_len - len(prompt_ids)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         structure = await constrain(tools, await checked_structure(req))
         params = self.sampling_params(

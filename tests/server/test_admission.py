@@ -6,6 +6,8 @@ prefill too) refused 72."""
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
 
 import httpx
 
@@ -39,3 +41,37 @@ def test_a_burst_is_admitted_up_to_the_batch_and_the_queue(tiny_model_dir):
         assert server.metrics().get("servelm:num_requests_running", 0) == 0
     finally:
         server.stop()
+
+
+def test_no_waiting_queue_and_priorities_only_under_the_priority_policy(tiny_model_dir, tmp_path):
+    """`--max-queued-requests 0`: a request is admitted while the batch has room and refused
+    when it would wait; `priority` needs `--scheduling-policy priority` (vLLM's 400 too)."""
+    long_context = tmp_path / "tiny"  # (for a stream that surely outlasts the test's requests)
+    shutil.copytree(tiny_model_dir, long_context)
+    config = json.loads((long_context / "config.json").read_text())
+    (long_context / "config.json").write_text(
+        json.dumps({**config, "max_position_embeddings": 32768})
+    )
+    fcfs = LiveServer(long_context, "--max-num-seqs", "1", "--max-queued-requests", "0")
+    try:
+        url = fcfs.base_url + "/completions"
+        assert (
+            httpx.post(url, json={"prompt": "hi", "max_tokens": 2}, timeout=60).status_code == 200
+        )
+        refused = httpx.post(url, json={"prompt": "hi", "max_tokens": 2, "priority": 1}, timeout=60)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "priority"
+        long = {"prompt": "hi", "max_tokens": 30000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url, json=long, timeout=120) as running:
+            lines = running.iter_lines()
+            next(lines)  # in the batch, its one place taken
+            full = httpx.post(url, json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+            assert full.status_code == 503 and full.json()["error"]["code"] == "queue_full"
+    finally:
+        fcfs.stop()
+    by_priority = LiveServer(tiny_model_dir, "--scheduling-policy", "priority")
+    try:
+        body = {"prompt": "hi", "max_tokens": 2, "priority": -3}
+        r = httpx.post(by_priority.base_url + "/completions", json=body, timeout=60)
+        assert r.status_code == 200
+    finally:
+        by_priority.stop()

@@ -393,3 +393,25 @@ def test_streamed_logprobs_cover_every_token(client):
         for t in c.choices[0].logprobs.content
     ]
     assert len(entries) == 16
+
+
+def test_n_choices_of_the_largest_seed_wrap_around_as_the_python_api_does(client):
+    top, bottom = 2**63 - 1, -(2**63)
+
+    def texts(seed, n):
+        r = client.completions.create(
+            model="tiny", prompt="Once", max_tokens=6, temperature=1.0, seed=seed, n=n
+        )
+        return [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+
+    assert texts(top, 2) == texts(top, 1) + texts(bottom, 1)
+
+
+def test_a_chat_answer_without_max_tokens_runs_to_the_end_of_the_context(client):
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Tell me a long story."}],
+        extra_body={"ignore_eos": True, "min_tokens": 20},
+    )
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens + r.usage.completion_tokens == 512  # the server's context
