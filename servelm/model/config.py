@@ -16,8 +16,9 @@ FAMILY_ARCHITECTURES = (
     "Phi3ForCausalLM",
 )
 SUPPORTED_ARCHITECTURES += FAMILY_ARCHITECTURES
-# The MLP activations servelm computes (config.json `hidden_act` / `hidden_activation`).
-ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+# The MLP activations servelm computes (config.json `hidden_act` / `hidden_activation`), by
+# transformers' ACT2FN names; servelm/model/llama.py holds their functions.
+ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new", "relu")
 ROPE_TYPES = ("llama3", "linear", "default", "longrope", "su")
 # Mixtures of experts (servelm/model/moe.py).
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
@@ -42,7 +43,7 @@ class ModelSpec:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool  # q/k/v biases (Qwen2)
+    attention_bias: bool  # q/k/v biases (Qwen2; Llama, Qwen3, Gemma with attention_bias)
     rope_scaling: dict[str, Any] | None = None
     torch_dtype: str = "float32"
     bos_token_id: int | None = None
@@ -54,6 +55,8 @@ class ModelSpec:
     attn_scale: float | None = None  # None: head_dim ** -0.5
     attn_logit_softcap: float | None = None  # tanh soft-capping of attention scores (Gemma 2)
     final_logit_softcap: float | None = None  # tanh soft-capping of the logits (Gemma 2)
+    o_proj_bias: bool = False  # Llama, Qwen3, Gemma with attention_bias
+    mlp_bias: bool = False  # gate/up/down biases (Llama with mlp_bias)
     hidden_act: str = "silu"  # the gated MLP's activation: one of ACTIVATIONS
     local_rope_theta: float | None = None  # rope base of the windowed layers (Gemma 3)
     # Mixture of experts (servelm/model/moe.py): the layers in `moe_layers` route each token
@@ -98,6 +101,7 @@ def spec_from_dict(cfg: dict[str, Any]) -> ModelSpec:
             f"unsupported architecture {archs or '(none given)'}; servelm supports "
             f"{', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    _refuse_quantization(cfg)
     try:
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
@@ -118,18 +122,59 @@ def spec_from_dict(cfg: dict[str, Any]) -> ModelSpec:
             ),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
             rope_scaling=rope_scaling,
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_as_tuple(cfg.get("eos_token_id")),
             sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window") else None,
             layer_windows=_mistral_qwen2_windows(arch, cfg, int(cfg["num_hidden_layers"])),
+            hidden_act=_activation(arch, cfg),
+            **_biases(arch, cfg),
             **_moe_fields(arch, cfg),
         )
         return replace(spec, **_family_fields(spec, cfg))
     except KeyError as exc:
         raise ModelConfigError(f"config.json lacks the field {exc.args[0]!r}") from None
+
+
+def _refuse_quantization(cfg: dict[str, Any]) -> None:
+    """A quantized checkpoint (`quantization_config`: FP8, GPTQ, AWQ, bitsandbytes...) stores
+    its weights in a form servelm does not read (float8 or packed integers, with scales beside
+    them): refused by name rather than loaded as if its numbers were the weights."""
+    quant = cfg.get("quantization_config")
+    if not quant:
+        return
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    raise ModelConfigError(
+        f"quantization_config quant_method {method!r} is not supported: servelm reads "
+        "unquantized safetensors and GGUF files"
+    )
+
+
+def _activation(arch: str, cfg: dict[str, Any]) -> str:
+    """The gated MLP's activation, as transformers reads it: Gemma's `hidden_activation` (its
+    `hidden_act`, where an older config has one, is not read), the others' `hidden_act`."""
+    if arch.startswith("Gemma"):
+        act = str(cfg.get("hidden_activation") or "gelu_pytorch_tanh")
+    else:
+        act = str(cfg.get("hidden_act") or "silu")
+    if act not in ACTIVATIONS:
+        raise ModelConfigError(f"unsupported activation {act!r} (servelm knows {ACTIVATIONS})")
+    return act
+
+
+def _biases(arch: str, cfg: dict[str, Any]) -> dict[str, bool]:
+    """Which projections carry a bias, as transformers' modeling file of each family builds
+    them: Qwen2's q/k/v always; `attention_bias` puts one on q/k/v and o (Llama, Qwen3,
+    Gemma, Qwen3-MoE), `mlp_bias` on gate/up/down (Llama); Mistral, Mixtral and Phi-3 have
+    none whatever the config says."""
+    if arch == "Qwen2ForCausalLM":
+        return dict(attention_bias=True, o_proj_bias=False, mlp_bias=False)
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"):
+        return dict(attention_bias=False, o_proj_bias=False, mlp_bias=False)
+    attn = bool(cfg.get("attention_bias", False))
+    mlp = arch == "LlamaForCausalLM" and bool(cfg.get("mlp_bias", False))
+    return dict(attention_bias=attn, o_proj_bias=attn, mlp_bias=mlp)
 
 
 def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -215,11 +260,7 @@ def _family_fields(spec: ModelSpec, cfg: dict[str, Any]) -> dict[str, Any]:
     arch, n = spec.architecture, spec.num_layers
     if arch not in FAMILY_ARCHITECTURES:
         return {}
-    default_act = "gelu_pytorch_tanh" if arch.startswith("Gemma") else "silu"
-    act = str(cfg.get("hidden_activation") or cfg.get("hidden_act") or default_act)
-    if act not in ACTIVATIONS:
-        raise ModelConfigError(f"unsupported activation {act!r} (servelm knows {ACTIVATIONS})")
-    fields: dict[str, Any] = {"hidden_act": act}
+    fields: dict[str, Any] = {}
     if arch == "Qwen3ForCausalLM":
         # Older configs: layers from max_window_layers on are windowed with use_sliding_window.
         first = int(cfg.get("max_window_layers") or 0)

@@ -3,7 +3,7 @@
 - RMSNorms that scale by (1 + w) (the checkpoint stores w), four per layer: before and after
   attention, before and after the MLP (the post-norms normalise the sublayer's output before it
   joins the residual stream);
-- a GELU-tanh gated MLP, embeddings scaled by sqrt(hidden_size) rounded to the model dtype, and
+- a GELU-tanh gated MLP (`hidden_activation`, which LlamaMLP reads), embeddings scaled by sqrt(hidden_size) rounded to the model dtype, and
   tied embeddings;
 - attention scaled by query_pre_attn_scalar ** -0.5, soft-capped logits (Gemma 2: attention
   scores, in the attention backend, and the final logits, in `compute_logits`), and local
@@ -20,7 +20,7 @@ import torch
 from servelm.model.layers.norm import GemmaRMSNorm
 from servelm.model.layers.rotary import RotaryEmbedding
 from servelm.model.llama import LlamaDecoderLayer, LlamaForCausalLM
-from servelm.model.variants import QKNormAttention, gated_mlp, rebuild_layers
+from servelm.model.variants import QKNormAttention, rebuild_layers
 
 
 class GemmaQKNormAttention(QKNormAttention):
@@ -35,7 +35,6 @@ class GemmaDecoderLayer(LlamaDecoderLayer):
         self.post_attention_layernorm = GemmaRMSNorm(h, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
-        self.mlp = gated_mlp(spec)
         if spec.architecture == "Gemma3ForCausalLM":
             self.self_attn = GemmaQKNormAttention(spec, layer_idx)
 

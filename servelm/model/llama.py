@@ -4,6 +4,8 @@ Projections are fused at load time: q/k/v into `qkv_proj` and gate/up into `gate
 a layer runs two matmuls where the checkpoint has five. Each norm first adds the previous
 sublayer's output to the residual stream; with `use_cpu_ops` the norms, the rotary embedding
 and SiLU-and-multiply run as fused C ops on CPU tensors (same roundings as the torch ops).
+Biases (q/k/v, o, the MLP's) and the MLP's activation are as the spec reads them from
+config.json, family by family (model/config.py).
 Attention over the paged KV cache is delegated to the `attn` object passed to `forward` (the
 worker's attention backend); the model knows nothing about blocks, batches or devices.
 
@@ -14,6 +16,9 @@ Tokens of every request in a step are flattened into one [T] sequence (no paddin
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+from functools import partial
 from typing import Protocol
 
 import torch
@@ -21,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from servelm.kernels.cpu_ops import CpuOps
-from servelm.model.config import ModelSpec
+from servelm.model.config import ACTIVATIONS, ModelSpec
 from servelm.model.layers.embedding import Embedding
 from servelm.model.layers.linear import Linear, LogitsHead, Q8Weight, pack_linears_for_cpu
 from servelm.model.layers.norm import RMSNorm
@@ -55,7 +60,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = Linear(spec.hidden_size, q + 2 * kv, bias=spec.attention_bias)
         shards = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}
         self.qkv_proj.shards = PackedShards(shards)
-        self.o_proj = Linear(q, spec.hidden_size, bias=False)
+        self.o_proj = Linear(q, spec.hidden_size, bias=spec.o_proj_bias)
 
     def forward(
         self,
@@ -75,23 +80,45 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.flatten(1))
 
 
+def _gelu_new(x: torch.Tensor) -> torch.Tensor:
+    """transformers' `gelu_new` (NewGELUActivation), written out as it computes it: the tanh
+    approximation, rounded otherwise than torch's `gelu(approximate="tanh")`."""
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3.0))))
+
+
+# config.json's activation names (transformers' ACT2FN) -> the function on the gate.
+ACTIVATION_FNS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
+    "gelu_new": _gelu_new,
+    "relu": F.relu,
+}
+assert set(ACTIVATION_FNS) == set(ACTIVATIONS)
+
+
 class LlamaMLP(nn.Module):
+    """The gated MLP: down(act(gate(x)) * up(x)), with `spec.hidden_act` for act (SiLU as a
+    fused C op where `cpu_ops` has it) and biases where `spec.mlp_bias` says."""
+
     cpu_ops: CpuOps | None = None
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         inter = spec.intermediate_size
-        self.gate_up_proj = Linear(spec.hidden_size, 2 * inter, bias=False)
+        self.gate_up_proj = Linear(spec.hidden_size, 2 * inter, bias=spec.mlp_bias)
         self.gate_up_proj.shards = PackedShards({"gate": (0, inter), "up": (inter, inter)})
-        self.down_proj = Linear(inter, spec.hidden_size, bias=False)
+        self.down_proj = Linear(inter, spec.hidden_size, bias=spec.mlp_bias)
         self.inter = inter
+        self.silu = spec.hidden_act == "silu"
+        self.act = ACTIVATION_FNS[spec.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        h = self.cpu_ops and self.cpu_ops.silu_and_mul(gate_up)
+        h = self.cpu_ops.silu_and_mul(gate_up) if self.silu and self.cpu_ops else None
         if h is None:
             gate, up = gate_up.split(self.inter, dim=-1)
-            h = F.silu(gate) * up
+            h = self.act(gate) * up
         return self.down_proj(h)
 
 
@@ -166,11 +193,18 @@ class LlamaForCausalLM(nn.Module):
 
     def c_layer_loop(self) -> bool:
         """Whether servelm/kernels/decode_stack.c, which runs the plain Llama layer (full
-        attention at the default scale), can run this model's layers. A family that changes the
-        layer in any way (norms, activation, MoE, windows, soft-capping) answers False."""
+        attention at the default scale, SiLU), can run this model's layers. A family that
+        changes the layer in any way (norms, activation, MoE, windows, soft-capping) answers
+        False. (Biases the C loop refuses itself: worker/decode_stack.py takes no `Linear` with
+        one.)"""
+        return self.plain_llama_layer() and type(self) is LlamaForCausalLM
+
+    def plain_llama_layer(self) -> bool:
+        """Whether the spec leaves the Llama layer's attention and activation as the C loop
+        computes them."""
         spec = self.spec
         plain = not any(spec.layer_windows) and spec.attn_scale is None
-        return plain and spec.attn_logit_softcap is None and type(self) is LlamaForCausalLM
+        return plain and spec.attn_logit_softcap is None and spec.hidden_act == "silu"
 
     def use_cpu_ops(self, ops: CpuOps | None) -> None:
         """Run the norms, rotary and SiLU-and-multiply as fused C ops (None: torch ops)."""

@@ -72,7 +72,9 @@ class PackedShards:
         param.data[start : start + size].copy_(tensor)
 
 
-# Tensors some checkpoints carry that a model computes itself.
+# Tensors some checkpoints carry that a model computes itself. Any other tensor the model has
+# no parameter for is refused (`_refuse_unused`): a bias, a scale or a layer left unread would
+# make the model served another than the checkpoint's.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
@@ -119,8 +121,31 @@ def _wanted_tensors(
     for path in safetensors_files(model_dir):
         with _open_checkpoint(path) as f:
             for name in f.keys():
-                if name in wanted and not name.endswith(_IGNORED_SUFFIXES):
+                if name in wanted:
                     yield path, name, slicer.read(f, name) if slicer else f.get_tensor(name)
+
+
+def _refuse_unused(model: nn.Module, model_dir: str | Path, known: set[str]) -> None:
+    """WeightLoadError naming the checkpoint tensors that are not `known` (those the model
+    reads or was told to skip), nor computed by the model (`_IGNORED_SUFFIXES`), nor an untied
+    copy of the embedding where the model ties its head to it (transformers ignores that too).
+    Only the files' headers are read: refused before any weight is."""
+    tied = getattr(model, "lm_head", None) is None
+    unused = [
+        name
+        for name in checkpoint_names(model_dir)
+        if name not in known
+        and not name.endswith(_IGNORED_SUFFIXES)
+        and not (tied and name == "lm_head.weight")
+    ]
+    if unused:
+        arch = getattr(getattr(model, "spec", None), "architecture", type(model).__name__)
+        raise WeightLoadError(
+            f"checkpoint in {model_dir} has tensors servelm's {arch} does not use: "
+            f"{_names_by_layer(unused)} (serving without them would compute another model "
+            "than the checkpoint's: a config.json field servelm does not read, or a layout it "
+            "does not know)"
+        )
 
 
 def load_weights(
@@ -135,17 +160,18 @@ def load_weights(
     packed: dict[str, tuple[str, str]] = getattr(model, "packed_modules", {})
     # Which (checkpoint name) each of our parameter slices expects.
     expected: dict[str, tuple[str, str | None]] = {}
+    skipped: set[str] = set()
     for pname, _ in model.named_parameters():
-        if pname in skip:
-            continue
         ckpt = model.checkpoint_name(pname)
         targets = [(src, shard) for src, (frag, shard) in packed.items() if f".{frag}." in ckpt]
-        if targets:
-            for src, shard in targets:
-                frag = packed[src][0]
-                expected[ckpt.replace(f".{frag}.", f".{src}.")] = (pname, shard)
+        names = {ckpt: None} if not targets else {}
+        for src, shard in targets:
+            names[ckpt.replace(f".{packed[src][0]}.", f".{src}.")] = shard
+        if pname in skip:
+            skipped.update(names)
         else:
-            expected[ckpt] = (pname, None)
+            expected.update((name, (pname, shard)) for name, shard in names.items())
+    _refuse_unused(model, model_dir, set(expected) | skipped)
 
     params = dict(model.named_parameters())
     loaded: set[str] = set()

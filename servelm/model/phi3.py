@@ -25,7 +25,5 @@ class Phi3ForCausalLM(LlamaForCausalLM):
 
     def c_layer_loop(self) -> bool:
         """The layer is the plain Llama layer (only the rotary table differs, which the C loop
-        reads as it is): windows aside, the C loop runs it."""
-        spec = self.spec
-        plain = not any(spec.layer_windows) and spec.attn_scale is None
-        return plain and spec.attn_logit_softcap is None
+        reads as it is): windows and activations aside, the C loop runs it."""
+        return self.plain_llama_layer()

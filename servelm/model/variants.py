@@ -1,5 +1,5 @@
-"""Parts the Llama variations share: q/k norms before the rotary embedding, the GELU-tanh gated
-MLP, and a helper that rebuilds the decoder layers of a family.
+"""Parts the Llama variations share: q/k norms before the rotary embedding, and a helper that
+rebuilds the decoder layers of a family.
 
 Each is a subclass of the Llama part it changes (servelm/model/llama.py), so the loader's fused
 q/k/v and gate/up parameters, the int4 copies and the packed CPU matmuls apply unchanged.
@@ -8,13 +8,12 @@ q/k/v and gate/up parameters, the int4 copies and the packed CPU matmuls apply u
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from servelm.model.config import ModelSpec
 from servelm.model.layers.norm import RMSNorm
 from servelm.model.layers.rotary import apply_rotary
-from servelm.model.llama import LlamaAttention, LlamaMLP
+from servelm.model.llama import LlamaAttention
 
 
 class QKNormAttention(LlamaAttention):
@@ -39,20 +38,6 @@ class QKNormAttention(LlamaAttention):
             qk = apply_rotary(qk, cos_sin)
         out = attn(self.layer_idx, qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :], kept_only)
         return self.o_proj(out.flatten(1))
-
-
-class GeluTanhMLP(LlamaMLP):
-    """The gated MLP with GELU (tanh approximation, transformers' `gelu_pytorch_tanh`) on the
-    gate: Gemma's."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
-
-
-def gated_mlp(spec: ModelSpec) -> LlamaMLP:
-    """The MLP of `spec.hidden_act` (config.py admits only these two)."""
-    return GeluTanhMLP(spec) if spec.hidden_act == "gelu_pytorch_tanh" else LlamaMLP(spec)
 
 
 def rebuild_layers(model: nn.Module, layer_class: type[nn.Module]) -> None:

@@ -167,7 +167,7 @@ def test_older_config_layouts():
 @pytest.mark.parametrize(
     "fields, named",
     [
-        ({"hidden_activation": "relu"}, "relu"),
+        ({"hidden_activation": "gelu_fast"}, "gelu_fast"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
         ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8}}, "long_factor"),
         (
