@@ -2,7 +2,8 @@
 
     None                  -> the built-in default model (see default.py)
     path/to/folder        -> itself, if it holds config.json
-    path/to/model.gguf    -> imported into <store>/<file stem>
+    path/to/model.gguf    -> imported into <store>/<file stem> (<file stem>-<sha256 prefix>
+                             where another file of that name was imported first)
     org/name              -> Hugging Face hub snapshot in <store>/org--name (optionally pinned;
                              see hub.py)
 

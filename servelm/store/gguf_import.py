@@ -21,11 +21,14 @@ families is read (TENSOR_TYPES); another type, architecture or tensor is an erro
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,6 +96,7 @@ _LAYER_NAMES = {
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_qkv.weight": "self_attn.qkv_proj.weight",  # Phi-3's fused projection, as HF keeps it
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
     "attn_q_norm.weight": "self_attn.q_norm.weight",  # Qwen3, Gemma 3
     "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
@@ -377,6 +381,12 @@ def build_weights(
         weights[hf_name] = np.ascontiguousarray(array)
         if raw is not None:
             blocks[hf_name] = (np.ascontiguousarray(raw), int(tensor.tensor_type))
+    if config.get("attention_bias"):
+        # HF's attention_bias puts a bias on o_proj too (llama.cpp's is optional): none in the
+        # file is a zero one, exactly
+        for layer in range(config["num_hidden_layers"]):
+            name = f"model.layers.{layer}.self_attn.o_proj.bias"
+            weights.setdefault(name, np.zeros(config["hidden_size"], dtype=np.float32))
     return weights, blocks
 
 
@@ -449,9 +459,10 @@ def open_gguf(path: Path) -> GGUFReader:
 
 
 def import_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
-    """Convert `gguf_path` into an HF-format folder at `out_dir` and return `out_dir`.
+    """Convert `gguf_path` into an HF-format folder at `out_dir` and return that folder.
 
-    Skips the work when `out_dir` already holds a complete import of the same file (by sha256).
+    Skips the work when `out_dir` already holds a complete import of the same file (by sha256);
+    where it holds a complete import of another file, the folder is `<out_dir>-<sha256[:12]>`.
     Raises ModelFileError (a ValueError) naming the file and what it cannot import: not a GGUF,
     cut short, an architecture, a tensor type, a tensor, a tokenizer.
     """
@@ -459,9 +470,30 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
     source_sha256 = sha256_file(gguf_path)
-    if is_complete(out_dir, source_sha256):
-        return out_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with _store_locked(out_dir.parent):
+        if is_complete(out_dir) and not is_complete(out_dir, source_sha256):
+            # another file of the same name (llama.cpp's ggml-model-f16.gguf ...) is imported
+            # there, and a server may be reading it: this one goes beside it, never over it
+            out_dir = out_dir.with_name(f"{out_dir.name}-{source_sha256[:12]}")
+        if not is_complete(out_dir, source_sha256):
+            _import(gguf_path, out_dir, source_sha256)
+    return out_dir
 
+
+@contextlib.contextmanager
+def _store_locked(store: Path) -> Iterator[None]:
+    """One import at a time in a store, across processes (two servers started together on two
+    files of the same name each chose a folder the other was about to fill)."""
+    fd = os.open(store, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # (releases the lock)
+
+
+def _import(gguf_path: Path, out_dir: Path, source_sha256: str) -> None:
     reader = open_gguf(gguf_path)
     try:
         meta = read_metadata(reader)
@@ -471,7 +503,6 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     except ValueError as exc:  # what it cannot import: say in which file
         raise ModelFileError(f"{gguf_path}: {exc}") from exc
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
     tmp.chmod(0o755)  # mkdtemp makes it owner-only; the final folder should read like any other
     try:
@@ -484,4 +515,3 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
         raise ModelFileError(f"{gguf_path}: {exc}") from exc
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir

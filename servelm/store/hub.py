@@ -102,7 +102,10 @@ def fetch_snapshot(
     api = hub.HfApi()  # no token argument: huggingface_hub reads $HF_TOKEN itself
     where = f" at revision {revision!r}" if revision else ""
     try:
-        commit = pinned or api.model_info(repo_id, revision=revision).sha
+        # a bounded wait: huggingface_hub's own default is none, so a hub (or proxy) that takes
+        # the connection and never answers held `servelm fetch` forever ($HF_HUB_ETAG_TIMEOUT)
+        timeout = hub.constants.HF_HUB_ETAG_TIMEOUT
+        commit = pinned or api.model_info(repo_id, revision=revision, timeout=timeout).sha
         if commit == recorded and not bad:
             return folder
         return _download(hub, api, repo_id, commit, folder, manifest, list(bad))

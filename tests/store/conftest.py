@@ -160,7 +160,7 @@ def make_tiny_gguf(tmp_path: Path) -> Callable[..., tuple[Path, dict[str, np.nda
 
     def make(name: str = "tiny.gguf", **options: object) -> tuple[Path, dict[str, np.ndarray]]:
         path = tmp_path / "src" / name
-        path.parent.mkdir(exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
         return path, write_tiny_gguf(path, **options)  # type: ignore[arg-type]
 
     return make

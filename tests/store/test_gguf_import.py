@@ -187,3 +187,18 @@ def test_transformers_loads_the_folder(make_tiny_gguf, tmp_path, tiny):
     ]
     logits = model(torch.tensor([[1, 5, 6]])).logits
     assert logits.shape == (1, 3, len(tiny.tokens))
+
+
+def test_another_file_of_the_same_name_goes_beside_a_complete_import(make_tiny_gguf, tmp_path):
+    """Two GGUFs both named model.gguf: the second never replaces the first's folder (a server
+    may be reading it), and each import is found again where it went."""
+    first, first_weights = make_tiny_gguf("a/model.gguf", seed=0)
+    second, second_weights = make_tiny_gguf("b/model.gguf", seed=1)
+    store = tmp_path / "store"
+    a = import_gguf(first, store / "model")
+    b = import_gguf(second, store / "model")
+    assert a == store / "model" and b == store / f"model-{sha256_file(second)[:12]}"
+    for folder, expected in ((a, first_weights), (b, second_weights)):
+        weights = load_file(folder / "model.safetensors")
+        np.testing.assert_array_equal(weights["model.norm.weight"], expected["model.norm.weight"])
+    assert (import_gguf(first, store / "model"), import_gguf(second, store / "model")) == (a, b)

@@ -23,6 +23,7 @@ from gguf.quants import dequantize
 from safetensors import safe_open
 from safetensors.numpy import load_file
 
+from servelm import LLM, SamplingParams
 from servelm.model.layers.linear import GGUFHead, Linear
 from servelm.store.gguf_import import import_gguf
 from servelm.store.paths import GGUF_BLOCKS_FILE
@@ -237,3 +238,31 @@ def test_family_q4_k_m_served(arch, tmp_path):
     for prompt, result in zip(PROMPTS, llm.generate(PROMPTS, params), strict=True):
         theirs, their_logprobs = hf_greedy(hf, prompt)
         check_greedy(result.outputs[0], theirs, their_logprobs, arch)
+
+
+@pytest.mark.parametrize("o_bias_in_file", [True, False])
+def test_a_llama_file_with_attention_biases_imports_as_the_same_model(o_bias_in_file, tmp_path):
+    """llama.cpp's llama biases are each optional; HF's `attention_bias` means q, k, v and o:
+    an o bias the file lacks is a zero one."""
+    from transformers import AutoModelForCausalLM
+
+    original = tiny_hf_model("llama", attention_bias=True)
+    with torch.no_grad():
+        for layer in original.model.layers:
+            attn = layer.self_attn
+            attn.q_proj.bias.zero_()  # (the writer does not permute biases as llama.cpp does)
+            attn.k_proj.bias.zero_()
+            if not o_bias_in_file:
+                attn.o_proj.bias = None
+    src = write_family_gguf(tmp_path / "llama.gguf", original, "llama")
+    folder = import_gguf(src, tmp_path / "model")
+    loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, original(ids).logits, atol=1e-5, rtol=1e-5)
+    llm = LLM(str(folder), dtype="float32", kv_cache_memory="4MiB")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    [result] = llm.generate([[3, 4, 5, 6, 7, 8, 9, 10]], params)
+    with torch.no_grad():
+        want = original.generate(ids, max_new_tokens=8, do_sample=False)[0, 8:].tolist()
+    assert result.outputs[0].token_ids == want

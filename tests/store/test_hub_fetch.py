@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -344,3 +345,20 @@ def test_an_unknown_repo_or_revision_is_a_clear_error(clean_hub, tmp_path, repo,
     assert result.returncode == 1 and result.stdout == ""
     assert "neither a local path nor a model on the Hugging Face hub" in result.stderr
     assert error in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_hub_that_never_answers_is_a_clear_error_in_bounded_time(tmp_path):
+    """A hub (or a proxy) that takes the connection and never answers: `servelm fetch` waited
+    forever on huggingface_hub's default of no timeout."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # the kernel accepts the connections; nobody ever answers them
+    try:
+        stand_in = SimpleNamespace(url=f"http://127.0.0.1:{silent.getsockname()[1]}")
+        env = _env(stand_in, tmp_path, HF_HUB_ETAG_TIMEOUT="2")
+        result = fetch(stand_in, tmp_path / "models", "someorg/somemodel", env=env)
+    finally:
+        silent.close()
+    assert result.returncode == 1, result.stderr
+    assert "cannot reach the Hugging Face hub" in result.stderr
+    assert "Traceback" not in result.stderr
