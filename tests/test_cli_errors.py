@@ -174,6 +174,10 @@ def test_a_gguf_it_cannot_import_is_named(options, says, tmp_path, capsys):
 REFUSALS = [
     (["--kv-cache-memory", "1KiB"], "no memory left for the KV cache"),
     (["--max-model-len", "100000"], "--max-model-len 100000 exceeds the model's context 4096"),
+    (
+        ["--max-model-len", "4096", "--kv-cache-memory", "64KiB"],
+        "--max-model-len 4096 does not fit the KV cache, which holds 128 tokens",
+    ),
     (["--quantization", "int4", "--dtype", "float32"], "--quantization int4 needs the CPU and"),
 ]
 

@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from servelm.router.app import Router, build_app
-    from servelm.server.graceful import GracefulServer
+    from servelm.server.graceful import KEEP_ALIVE_SECONDS, GracefulServer
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -179,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
             log_level=args.log_level,
             access_log=False,
             timeout_graceful_shutdown=args.shutdown_timeout,
+            timeout_keep_alive=KEEP_ALIVE_SECONDS,
         )
     )
     server.on_exit_start = app.state.dashboard.close  # open pages must not hold up the drain

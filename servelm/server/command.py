@@ -10,13 +10,14 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import time
 
 import uvicorn
 
 from servelm.config import EngineArgs, bounded_int, parse_size, port_number
 from servelm.server.body_limit import DEFAULT_MAX_REQUEST_BYTES
-from servelm.server.graceful import GracefulServer
+from servelm.server.graceful import KEEP_ALIVE_SECONDS, GracefulServer
 from servelm.text.tool_parsers import PARSERS
 
 logger = logging.getLogger("servelm")
@@ -83,6 +84,13 @@ async def serve(args: argparse.Namespace) -> int:
     logger.info("model folder %s ready in %.2f s", model_dir, time.perf_counter() - t0)
     tokenizer = TextTokenizer(model_dir)
     engine = AsyncEngineClient(engine_args, tokenizer, str(model_dir))
+    # SIGTERM or Ctrl-C while the model loads stops the engine and exits 0. As PID 1 in a
+    # container a SIGTERM without a handler is dropped: the pod came up anyway, and its
+    # deletion waited out the grace period.
+    loop = asyncio.get_running_loop()
+    loading = asyncio.ensure_future(engine.wait_ready())
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, loading.cancel)
     engine.launch()
     # The web stack loads while the engine process loads the model.
     from servelm.server.app import build_app
@@ -90,17 +98,25 @@ async def serve(args: argparse.Namespace) -> int:
     from servelm.server.serving import ServerState
 
     try:
-        ready = await engine.wait_ready()
+        ready = await loading
     except EngineDeadError as exc:  # a bad setting or model: the engine has logged the details
         logger.error("%s", exc)
         await engine.shutdown()
         return 1
-    except BaseException:  # Ctrl-C while the model loads: the engine ignores it, so stop it
+    except asyncio.CancelledError:
+        logger.info("stopped while the model was loading")
+        await engine.shutdown()
+        return 0
+    except BaseException:
         await engine.shutdown()
         raise
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
     name = engine_args.served_model_name or model_dir.name
     metrics = ServerMetrics(name, ready.block_size, ready.num_blocks)
     engine.stats_listeners.append(metrics.on_stats)
+    # (a pool smaller than the context limits each request: refused or warned at start-up)
     max_len = min(ready.max_model_len, ready.num_blocks * ready.block_size)
     state = ServerState(
         engine,
@@ -117,6 +133,7 @@ async def serve(args: argparse.Namespace) -> int:
         port=args.port,
         log_level=args.log_level,
         timeout_graceful_shutdown=args.shutdown_timeout,
+        timeout_keep_alive=KEEP_ALIVE_SECONDS,
         access_log=False,
     )
     server = GracefulServer(config)

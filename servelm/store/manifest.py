@@ -102,7 +102,10 @@ def problems(folder: str | Path, verify_hashes: bool = True) -> dict[str, str]:
     folder = Path(folder)
     manifest = read_manifest(folder)
     if manifest is None:
-        return {MANIFEST_NAME: "missing or unreadable (the fetch or import did not finish)"}
+        return {
+            MANIFEST_NAME: "missing or unreadable: a fetch or import that did not finish, or a "
+            "folder servelm did not make (its own folders are checked when they load)"
+        }
     found = {}
     for name, entry in manifest["files"].items():
         path = folder / name

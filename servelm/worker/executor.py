@@ -85,9 +85,23 @@ def create_engine_core(
         raise ValueError(
             "no memory left for the KV cache; raise --kv-cache-memory or --gpu-memory-utilization"
         )
+    tokens = num_blocks * args.block_size
+    window = kv_window(spec.layer_windows)
+    if tokens < max_model_len and window is None:
+        if args.max_model_len is not None:  # asked for, so not quietly less (as vLLM refuses)
+            raise ValueError(
+                f"--max-model-len {max_model_len} does not fit the KV cache, which holds "
+                f"{tokens} tokens: raise --kv-cache-memory or lower --max-model-len"
+            )
+        logger.warning(
+            "the KV cache holds %d tokens, fewer than the model's context of %d: a request may "
+            "use at most %d (raise --kv-cache-memory for more)",
+            tokens,
+            max_model_len,
+            tokens,
+        )
     runner.allocate_kv_cache(num_blocks)
     logger.info("kernels: %s", runner.kernel_summary)
-    tokens = num_blocks * args.block_size
     logger.info(
         "KV cache: %d tokens in %d blocks of %d (%.3f GiB, %d B/token); max concurrency at "
         "%d tokens: %.2fx",
@@ -99,7 +113,6 @@ def create_engine_core(
         max_model_len,
         tokens / max_model_len,
     )
-    window = kv_window(spec.layer_windows)
     if window is not None:
         logger.info(
             "KV cache: every layer's window ends %d tokens back: blocks behind it are "

@@ -5,6 +5,7 @@ scrapes and the dashboard stay out of the log and out of `http_requests_total`."
 from __future__ import annotations
 
 import asyncio
+import http.client
 import re
 import time
 
@@ -80,3 +81,19 @@ def test_an_unhandled_exception_counts_as_500():
     with pytest.raises(RuntimeError):
         asyncio.run(app(scope, None, None))
     assert metrics.http_requests.labels("m", "500")._value.get() == 1
+
+
+def test_an_idle_keep_alive_connection_outlives_the_clients_own_expiry(server):
+    """The server keeps an idle connection longer than clients do (httpx: 5 s), so a client
+    never sends a request on a connection the server is closing at that moment."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    try:
+        for pause in (0, 6):
+            time.sleep(pause)
+            conn.request("GET", "/v1/models")  # on the same connection (http.client reuses it)
+            reply = conn.getresponse()
+            assert reply.status == 200 and b'"object":"list"' in reply.read()
+            sock = conn.sock
+            assert sock is not None  # still open: the next request goes on it
+    finally:
+        conn.close()

@@ -18,7 +18,7 @@ import time
 import httpx
 import pytest
 
-from tests.live_server import LiveServer
+from tests.live_server import LiveServer, engine_child
 
 STREAMS = 4
 
@@ -132,6 +132,7 @@ def test_a_second_signal_stops_at_once(default_model_dir):
             t.join(30)
         assert all(r["finish_reason"] is None for r in results), results  # cut, not finished
         assert group_gone(server.proc.pid), "a process of the server was left behind"
+        assert "Traceback" not in server.log(), server.log()  # cancelled as asked: no errors
     finally:
         server.stop(signal.SIGKILL)
 
@@ -201,5 +202,44 @@ def test_an_open_dashboard_does_not_hold_up_the_drain(tiny_model_dir):
     try:
         assert feed_open_through_a_signal(server.url, server.proc.pid) < STREAM_SECONDS / 3
         assert server.proc.wait(STREAM_SECONDS / 2) == 0
+    finally:
+        server.stop(signal.SIGKILL)
+
+
+def test_a_signal_while_the_model_loads_stops_the_server_and_its_engine(default_model_dir):
+    """SIGTERM to the pid before the port opens (a pod deleted while it loads; as PID 1 an
+    unhandled SIGTERM is dropped and the pod came up anyway): exit 0, the engine stopped."""
+    server = LiveServer(default_model_dir, wait=False, new_session=True)
+    try:
+        deadline = time.time() + 60
+        while engine_child(server.proc.pid) is None:  # the engine process is loading
+            assert time.time() < deadline and server.proc.poll() is None, server.log()
+            time.sleep(0.05)
+        os.kill(server.proc.pid, signal.SIGTERM)
+        assert server.proc.wait(30) == 0, server.log()
+        assert "stopped while the model was loading" in server.log()
+        assert "Traceback" not in server.log(), server.log()
+        assert group_gone(server.proc.pid), "the engine process was left behind"
+    finally:
+        server.stop(signal.SIGKILL)
+
+
+def test_a_second_signal_after_the_drain_lets_the_server_finish_stopping(tiny_model_dir):
+    """The port is closed but the server still stops its engine and removes its IPC folder:
+    a second Ctrl-C then (a person pressing it twice) killed it halfway through that."""
+    server = LiveServer(tiny_model_dir, new_session=True)
+    try:
+        os.kill(server.proc.pid, signal.SIGTERM)
+        deadline = time.time() + 30
+        while True:  # until the port is closed: serving is over
+            try:
+                httpx.get(server.url + "/health", timeout=1)
+            except httpx.HTTPError:
+                break
+            assert time.time() < deadline
+            time.sleep(0.02)
+        os.kill(server.proc.pid, signal.SIGINT)
+        assert server.proc.wait(30) == 0, server.log()
+        assert "Traceback" not in server.log(), server.log()
     finally:
         server.stop(signal.SIGKILL)
