@@ -102,7 +102,10 @@ class Router:
         """Re-read the replicas and keys files if they changed (always on the first call)."""
         replicas_file, keys_file = self._replicas_file, self._keys_file
         if replicas_file is not None and (replicas_file.changed() or initial):
-            specs = parse_replicas_file(replicas_file.path.read_text())
+            try:
+                specs = parse_replicas_file(replicas_file.path.read_text())
+            except ValueError as exc:
+                raise ValueError(f"replicas file {replicas_file.path}: {exc}") from None
             for s in specs:
                 s.weight = self.weights.get(normalize_url(s.url), s.weight)
             self.replicas.sync_file(specs)

@@ -27,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from servelm.router.metrics import RouterMetrics
 from servelm.router.replicas import Replica, ReplicaSet, ReplicaState
+from servelm.server.access import PROBE_HEADER
 
 logger = logging.getLogger("servelm.router")
 
@@ -107,6 +108,8 @@ class HealthChecker:
                 if self.on_tick is not None:
                     try:
                         self.on_tick()
+                    except ValueError as exc:  # a bad file: what the last good one said stays
+                        logger.error("%s; kept the configuration in use", exc)
                     except Exception:  # a bad config file must not stop health checks
                         logger.exception("reloading configuration failed")
                 for r in self.replicas:
@@ -127,8 +130,9 @@ class HealthChecker:
 
     async def probe(self, r: Replica) -> None:
         headers = auth_headers(r, self.upstream_api_key)
+        sent = {**headers, PROBE_HEADER.decode(): "1"}  # (kept out of the replica's log and counts)
         try:
-            resp = await self.client.get(r.url + "/health", headers=headers, timeout=self.timeout_s)
+            resp = await self.client.get(r.url + "/health", headers=sent, timeout=self.timeout_s)
         except httpx.ConnectError as exc:
             return self.report_failure(r, f"connect failed: {exc}", definitive=True)
         except httpx.HTTPError as exc:
@@ -141,7 +145,7 @@ class HealthChecker:
                 r, f"/health answered {resp.status_code}", definitive=resp.status_code == 503
             )
         metrics, models = await asyncio.gather(
-            self._get(r, "/metrics", headers), self._get(r, "/v1/models", headers)
+            self._get(r, "/metrics", sent), self._get(r, "/v1/models", sent)
         )
         for path, answer in (("/metrics", metrics), ("/v1/models", models)):
             if answer is not None and answer.status_code in _KEY_REFUSED:

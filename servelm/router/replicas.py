@@ -198,23 +198,48 @@ class ReplicaSet:
 
 def parse_replicas_file(text: str) -> list[ReplicaSpec]:
     """JSON (a list of URLs or {"url", "weight", "api_key"} objects, bare or under "replicas"),
-    or plain lines `URL [WEIGHT]` with `#` comments."""
+    or plain lines `URL [WEIGHT]` with `#` comments. Every entry is checked here, before any is
+    applied: a file with one bad entry changes nothing (a reload drained the replicas missing
+    from it, then failed on the bad weight). ValueError names the line or the entry."""
     stripped = text.strip()
     if stripped.startswith(("[", "{")):
-        data = json.loads(stripped)
+        try:
+            data = json.loads(stripped)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"not valid JSON: {exc}") from None
         items = data.get("replicas", []) if isinstance(data, dict) else data
-        specs = []
-        for item in items:
-            if isinstance(item, str):
-                specs.append(ReplicaSpec(item))
-            else:
-                specs.append(
-                    ReplicaSpec(item["url"], float(item.get("weight", 1.0)), item.get("api_key"))
-                )
-        return specs
-    specs = []
-    for line in text.splitlines():
-        parts = line.split("#", 1)[0].split()
-        if parts:
-            specs.append(ReplicaSpec(parts[0], float(parts[1]) if len(parts) > 1 else 1.0))
-    return specs
+        if not isinstance(items, list):
+            raise ValueError("expected a list of replicas")
+        entries = [
+            (f"entry {i}", item if isinstance(item, dict) else {"url": item})
+            for i, item in enumerate(items, 1)
+        ]
+    else:
+        entries = []
+        for number, line in enumerate(text.splitlines(), 1):
+            parts = line.split("#", 1)[0].split()
+            if len(parts) > 2:
+                raise ValueError(f"line {number}: expected `URL [WEIGHT]`, got {line.strip()!r}")
+            if parts:
+                weight = parts[1] if len(parts) > 1 else 1.0
+                entries.append((f"line {number}", {"url": parts[0], "weight": weight}))
+    return [_checked_spec(where, entry) for where, entry in entries]
+
+
+def _checked_spec(where: str, entry: dict) -> ReplicaSpec:
+    url, weight, key = entry.get("url"), entry.get("weight", 1.0), entry.get("api_key")
+    try:
+        if not isinstance(url, str):
+            raise ValueError(f"a replica needs a URL string, got {url!r}")
+        normalize_url(url)
+        try:
+            weight = float(weight)
+        except (TypeError, ValueError):
+            raise ValueError(f"weight must be a number, got {weight!r}") from None
+        if not weight > 0:  # (0 would never be picked: drain or remove the replica instead)
+            raise ValueError(f"weight must be > 0, got {weight}")
+        if key is not None and not isinstance(key, str):
+            raise ValueError("api_key must be a string")
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+    return ReplicaSpec(url, weight, key)

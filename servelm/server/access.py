@@ -1,8 +1,8 @@
 """The outermost layer of the server and of the router: each answered request gets a request id
 (the client's `X-Request-Id`, or a new one), sent back in the answer's `X-Request-Id`, and one
 log line (`servelm.access`) when its answer is complete; its status is passed to `on_status`
-(the server's `http_requests_total`). Probes, scrapes and the dashboard are left out of both:
-their rate would drown the clients' requests in the log and in any panel."""
+(the server's `http_requests_total`). Probes (a router's too), scrapes and the dashboard are
+left out of both: their rate would drown the clients' requests in the log and in any panel."""
 
 from __future__ import annotations
 
@@ -20,8 +20,15 @@ logger = logging.getLogger("servelm.access")
 _CLIENT_ID = re.compile(rb"[A-Za-z0-9._:@/+=-]{1,128}")
 
 
-def quiet_path(path: str) -> bool:
-    return path in OPEN_PATHS or path.startswith("/dashboard")
+# Sent by `servelm route` on its health probes (a GET of /v1/models each second from each
+# router): they are not clients' requests either.
+PROBE_HEADER = b"x-servelm-probe"
+
+
+def quiet(scope: dict) -> bool:
+    if scope["path"] in OPEN_PATHS or scope["path"].startswith("/dashboard"):
+        return True
+    return scope["method"] == "GET" and any(k == PROBE_HEADER for k, _ in scope["headers"])
 
 
 def note_response_id(scope: dict, response_id: str) -> None:
@@ -38,7 +45,7 @@ class AccessMiddleware:
         self.app, self.on_status = app, on_status
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or quiet_path(scope["path"]):
+        if scope["type"] != "http" or quiet(scope):
             return await self.app(scope, receive, send)
         given = next((v for k, v in scope["headers"] if k == b"x-request-id"), b"")
         request_id = given.decode() if _CLIENT_ID.fullmatch(given) else uuid.uuid4().hex

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 import httpx
@@ -67,6 +68,23 @@ def test_replicas_file_formats_and_sync() -> None:
     rs.sync_file(js)
     assert sorted(r.url for r in rs) == ["http://a:1", "http://c:1", "http://static:1"]
     assert rs.get("http://a:1").weight == 1.0
+
+
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        ("http://a:1\nhttp://b:1 0\n", "line 2: weight must be > 0, got 0.0"),
+        ("http://a:1 heavy\n", "line 1: weight must be a number, got 'heavy'"),
+        ("http://a:1 1 2\n", "line 1: expected `URL [WEIGHT]`"),
+        ("a:1\n", "line 1: replica URL must start with http://"),
+        ('["http://a:1", {"url": "http://b:1", "weight": -1}]', "entry 2: weight must be > 0"),
+        ('[{"weight": 2}]', "entry 1: a replica needs a URL string, got None"),
+        ('{"replicas": [', "not valid JSON"),
+    ],
+)
+def test_a_bad_replicas_file_names_its_line_before_anything_is_applied(text, says) -> None:
+    with pytest.raises(ValueError, match=re.escape(says)):
+        parse_replicas_file(text)
 
 
 @pytest.fixture

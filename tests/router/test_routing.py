@@ -218,6 +218,11 @@ def test_admin_add_drain_remove_and_replicas_file(
             "file reload",
         )
         assert set(served_by(r, 2)) == {c}
+        # a file with a bad entry changes nothing (c was drained before the bad weight was read)
+        pool.write_text(f"{a}\n{c} 0\n")
+        wait_for(lambda: "line 2: weight must be > 0" in r.log.read_text(), 10, "the refusal")
+        assert [(x["url"], x["state"]) for x in admin_replicas(r.url)] == [(c, "healthy")]
+        assert "kept the configuration in use" in r.log.read_text()
         removed = httpx.delete(r.url + "/admin/replicas", params={"url": c}, headers=auth)
         assert removed.status_code == 200 and admin_replicas(r.url) == []
         resp = httpx.post(r.url + "/v1/completions", json={"model": MODEL, "prompt": "x"})

@@ -97,3 +97,16 @@ def test_an_idle_keep_alive_connection_outlives_the_clients_own_expiry(server):
             assert sock is not None  # still open: the next request goes on it
     finally:
         conn.close()
+
+
+def test_a_routers_probe_is_not_a_clients_request(server):
+    """`servelm route` probes each replica's /v1/models every second: left out as /health is."""
+    before = server.metrics()
+    probe = {"X-Servelm-Probe": "1", "X-Request-Id": "probe-1"}
+    assert httpx.get(server.base_url + "/models", headers=probe, timeout=30).status_code == 200
+    after = server.metrics()
+    total = "servelm:http_requests_total"
+    assert after.get(total, 0) == before.get(total, 0)
+    httpx.get(server.base_url + "/models", headers={"X-Request-Id": "client-1"}, timeout=30)
+    assert len(log_lines(server.log, "client-1")) == 1
+    assert log_lines(server.log, "probe-1", timeout=0) == []
