@@ -104,7 +104,7 @@ class LLM:
                     result.outputs.append(completion)
                     self.engine.add_request(req)  # (a prompt over the context: ValueError)
                     by_child[req.request_id] = (result, completion)
-                    self.processor.add_request(req.request_id, req.sampling_params)
+                    self.processor.add_request(req.request_id, req.sampling_params, ids)
                 results.append(result)
             self._run(by_child)
         except BaseException:

@@ -140,7 +140,7 @@ class AsyncEngineClient:
             raise EngineDeadError(self.dead_reason or "engine is not running")
         queue: asyncio.Queue[TextDelta | Exception] = asyncio.Queue()
         self._queues[request_id] = queue
-        self.processor.add_request(request_id, params)
+        self.processor.add_request(request_id, params, prompt_token_ids)
         req = EngineCoreRequest(
             request_id,
             prompt_token_ids,

@@ -8,6 +8,7 @@ caller must abort it in the engine (`TextDelta.abort_engine`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from servelm.engine.outputs import EngineCoreOutput, Logprobs
@@ -53,8 +54,12 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.states: dict[str, RequestState] = {}
 
-    def add_request(self, request_id: str, params: SamplingParams) -> None:
-        stream = self.tokenizer.decode_stream(params.skip_special_tokens)
+    def add_request(
+        self, request_id: str, params: SamplingParams, prompt_token_ids: Sequence[int] = ()
+    ) -> None:
+        """`prompt_token_ids`: what the text follows (a SentencePiece answer's first word keeps
+        its space after a prompt, `IncrementalDetokenizer`)."""
+        stream = self.tokenizer.decode_stream(params.skip_special_tokens, prompt_token_ids)
         self.states[request_id] = RequestState(request_id, params, stream)
 
     def remove(self, request_id: str) -> None:
@@ -81,8 +86,8 @@ class OutputProcessor:
         for i, tok in enumerate(out.new_token_ids):
             state.token_ids.append(tok)
             delta.token_ids.append(tok)
-            if tok == out.stop_token_id:
-                continue  # the eos / stop token itself is not part of the text
+            if tok == out.stop_token_id and not params.include_stop_str_in_output:
+                continue  # the eos / stop token's text is not part of the text (vLLM's rule)
             before = len(state.text)
             state.text += state.detokenizer.step(tok)
             # Like EOS and stop_token_ids, stop strings count only after min_tokens tokens.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -228,8 +228,11 @@ class TextTokenizer:
         # The rendered template already holds every special token it wants.
         return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kw), False)
 
-    def decode_stream(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self.tokenizer, skip_special_tokens)
+    def decode_stream(
+        self, skip_special_tokens: bool = True, prompt_token_ids: Sequence[int] = ()
+    ) -> IncrementalDetokenizer:
+        """An incremental detokenizer for the tokens that follow `prompt_token_ids`."""
+        return IncrementalDetokenizer(self.tokenizer, skip_special_tokens, prompt_token_ids)
 
 
 def _byte_level_symbols() -> dict[str, int]:
@@ -245,17 +248,57 @@ def _byte_level_symbols() -> dict[str, int]:
 class IncrementalDetokenizer:
     """Turns tokens into text as they arrive; a piece that ends mid-character waits for the rest.
 
-    The concatenation of every returned piece equals decoding all tokens at once, except that
-    bytes at the very end which do not (yet) complete a character stay held back, where a
-    one-shot decode would show them as U+FFFD.
+    The concatenation of every returned piece equals `decode(prompt + tokens)` less
+    `decode(prompt)`, except that bytes at the very end which do not (yet) complete a character
+    stay held back, where a one-shot decode would show them as U+FFFD.
+
+    The prompt matters: a SentencePiece decoder (Llama 2, Mistral: `Strip` or `Metaspace`)
+    drops the space of the first token of a text, so " is" after "The capital of France" would
+    come out "is" if it were decoded as a text's start. The stream is primed, as vLLM's is,
+    with the prompt's last few tokens, their text thrown away: `_PRIME_MIN` and more until
+    they decode to some text (past trailing special tokens a stream skips) that does not start
+    with U+FFFD (in the middle of a character), `_PRIME_MAX` at most, so that a long prompt
+    costs no more than a short one.
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool) -> None:
+    _PRIME_MIN = 4
+    _PRIME_MAX = 24
+
+    def __init__(
+        self, tokenizer: Tokenizer, skip_special_tokens: bool, prompt_token_ids: Sequence[int] = ()
+    ) -> None:
         self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._held: list[int] = []  # the tokens since the last piece of text
+        for token_id in self._primer(prompt_token_ids):
+            self.step(token_id)
+
+    def _primer(self, prompt: Sequence[int]) -> Sequence[int]:
+        for n in range(self._PRIME_MIN, min(len(prompt), self._PRIME_MAX)):
+            text = self._tokenizer.decode(prompt[-n:], skip_special_tokens=self._skip)
+            if text and not text.startswith("\ufffd"):
+                return prompt[-n:]
+        return prompt[-self._PRIME_MAX :]
 
     def step(self, token_id: int) -> str:
-        return self._stream.step(self._tokenizer, token_id) or ""
+        try:
+            piece = self._stream.step(self._tokenizer, token_id) or ""
+        except Exception as exc:  # (the library raises a bare Exception)
+            if "Invalid prefix" not in str(exc):
+                raise
+            # ByteFallback decodes a run of byte tokens as a whole: bytes that make no UTF-8
+            # turn a character of the run already handed out into U+FFFD as well, and the
+            # stream gives up (vLLM issue 17448). Start a new one at the tokens still held
+            # back: their U+FFFD, and what follows, come out as decode shows them.
+            self._stream = DecodeStream(skip_special_tokens=self._skip)
+            piece = "".join(self._stream.step(self._tokenizer, t) or "" for t in self._held)
+            piece += self._stream.step(self._tokenizer, token_id) or ""
+        if piece:
+            self._held.clear()
+        else:
+            self._held.append(token_id)
+        return piece
 
 
 __all__ = ["ChatTemplateError", "GenerationDefaults", "IncrementalDetokenizer", "TextTokenizer"]

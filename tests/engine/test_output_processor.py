@@ -20,14 +20,16 @@ def tok(tiny_model_dir) -> TextTokenizer:
     return TextTokenizer(tiny_model_dir)
 
 
-def feed(tok, ids, params, *, finish=None, stop_token_id=None, rid="r") -> list[TextDelta]:
+def feed(
+    tok, ids, params, *, finish=None, stop_token_id=None, rid="r", prompt=()
+) -> list[TextDelta]:
     """One EngineCoreOutput per token, as the engine sends them; `finish` comes with the last.
 
     Returns the deltas up to the finishing one, and checks that the processor ignores whatever
     the engine still sends after that (it keeps running until the caller's abort lands).
     """
     proc = OutputProcessor(tok)
-    proc.add_request(rid, params)
+    proc.add_request(rid, params, prompt)
     deltas: list[TextDelta] = []
     for k, t in enumerate(ids):
         last = k == len(ids) - 1
@@ -186,3 +188,35 @@ def test_stop_strings_wait_for_min_tokens(tok):
     assert streamed(deltas) == "The quick brown f"
     assert deltas[-1].finish_reason == "stop"
     assert len([t for d in deltas for t in d.token_ids]) == 8
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_token_s_text_is_kept_with_include_stop_str_in_output(tok, include):
+    # As vLLM: the token that ended the request (stop_token_ids, EOS) is in the text when
+    # include_stop_str_in_output is set, and left out otherwise.
+    ids = tok.encode(FOX)
+    stop = ids[5]
+    params = SamplingParams(stop_token_ids=[stop], include_stop_str_in_output=include)
+    deltas = feed(tok, ids[:6], params, finish="stop", stop_token_id=stop)
+    assert streamed(deltas) == tok.decode(ids[: 6 if include else 5])
+    assert deltas[-1].finish_reason == "stop" and not deltas[-1].abort_engine
+    for skip in (True, False):  # EOS is a special token: its text only when those are kept
+        params = SamplingParams(include_stop_str_in_output=include, skip_special_tokens=skip)
+        deltas = feed(tok, ids[:5] + [EOS], params, finish="stop", stop_token_id=EOS)
+        assert streamed(deltas) == tok.decode(ids[:5] + [EOS][: int(include)], skip)
+
+
+def test_text_follows_the_prompt(tmp_path):
+    # A SentencePiece answer's first word keeps its space after a prompt (Llama 2 / Mistral's
+    # decoders drop a text's first space): the text is what decoding both together adds.
+    from tests.text.sentencepiece_model import build_tokenizer
+
+    build_tokenizer(tmp_path)
+    sp = TextTokenizer(tmp_path)
+    prompt = sp.encode("The capital of France")
+    answer = sp.encode("The capital of France is Paris.")[len(prompt) :]  # ▁is ▁Paris.
+    deltas = feed(sp, answer, SamplingParams(stop=["."]), finish="length", prompt=prompt)
+    assert (
+        streamed(deltas) == " is Paris" == sp.decode(prompt + answer)[len(sp.decode(prompt)) : -1]
+    )
+    assert streamed(feed(sp, answer, SamplingParams(), finish="length")) == "is Paris."

@@ -134,3 +134,121 @@ def test_each_tokens_bytes_join_into_the_text(tiny_tok, tmp_path):
     assert sp.decode([ids[2]]) == "\ufffd"  # <0xF0>, the emoji's first byte
     # (SentencePiece's ▁ before the first word is a space of the first token's)
     assert b"".join(sp.token_bytes(i) for i in ids) == " Hi 🌍 Hie".encode()
+
+
+# -- after a prompt: the text an answer adds to its prompt's, as decoding both together gives it
+
+
+def _pieces(tok: TextTokenizer, prompt: list[int], ids: list[int], skip: bool = True) -> list[str]:
+    stream = tok.decode_stream(skip, prompt)
+    return [stream.step(i) for i in ids]
+
+
+def _reference(tok: TextTokenizer, prompt: list[int], ids: list[int], skip: bool = True) -> str:
+    """The `tokenizers` library's own answer: decode(prompt + ids) less decode(prompt)."""
+    whole, before = tok.decode(prompt + ids, skip), tok.decode(prompt, skip)
+    assert whole.startswith(before)
+    return whole[len(before) :]
+
+
+def _check_after(tok: TextTokenizer, prompt: list[int], ids: list[int], skip=True) -> None:
+    streamed = "".join(_pieces(tok, prompt, ids, skip))
+    # (a prompt that ends in part of a character: the answer's text starts with all of it)
+    whole, before = tok.decode(prompt + ids, skip), tok.decode(prompt, skip).rstrip("\ufffd")
+    if not whole.startswith(before):
+        # ByteFallback decodes a run of byte tokens as a whole, and bytes that make no UTF-8
+        # turn all of it into U+FFFD, the prompt's characters too: no answer to compare with
+        # (random ids); the stream only has to carry on.
+        assert "\ufffd" in whole
+        return
+    whole = whole[len(before) :]
+    # Only bytes at the very end that do not complete a character are still held back; and a
+    # stream cannot take back a character it gave that such bytes later turn into U+FFFD.
+    assert len(streamed) <= len(whole), (streamed, whole)
+    assert all(a == b or b == "\ufffd" for a, b in zip(streamed, whole, strict=False)), (
+        streamed,
+        whole,
+    )
+    assert set(whole[len(streamed) :]) <= {"\ufffd"}, (streamed, whole)
+
+
+@pytest.fixture(scope="module", params=["legacy", "metaspace"])
+def sp_tok(request, tmp_path_factory) -> TextTokenizer:
+    from tests.text.sentencepiece_model import build_tokenizer
+
+    folder = tmp_path_factory.mktemp(f"sp-{request.param}")
+    build_tokenizer(folder, request.param)
+    return TextTokenizer(folder)
+
+
+def test_sentencepiece_answer_keeps_its_first_space(sp_tok):
+    # Llama 2 / Mistral decoders drop the first space of a text, not of an answer's first word
+    prompt = sp_tok.encode("The capital of France")
+    is_ = sp_tok.tokenizer.token_to_id("\u2581is")
+    assert (
+        sp_tok.decode_stream(True, prompt).step(is_) == " is" == _reference(sp_tok, prompt, [is_])
+    )
+    # with no prompt, or one whose text is empty (BOS skipped), it starts a text, as in decode
+    assert sp_tok.decode_stream(True).step(is_) == "is"
+    assert sp_tok.decode_stream(True, [1]).step(is_) == "is" == _reference(sp_tok, [1], [is_])
+
+
+def test_sentencepiece_stream_after_prompt_equals_decode(sp_tok):
+    is_ = sp_tok.tokenizer.token_to_id("\u2581is")
+    answer = [is_, *sp_tok.encode("Paris 🍕, thank you", add_special_tokens=False)]
+    inst_end = sp_tok.tokenizer.token_to_id("[/INST]")
+    prompts = [
+        sp_tok.encode("The capital of France"),
+        sp_tok.encode("[INST] Hello world, how are you? [/INST]"),  # ends with a special token
+        sp_tok.encode("Hello") + [inst_end] * 6,  # more of them than the priming starts with
+        sp_tok.encode("🍕🍕 thank"),  # byte tokens in the priming window
+        sp_tok.encode("The capital of France is Paris. " * 8),  # longer than the window
+        [1],
+    ]
+    for prompt in prompts:
+        for skip in (True, False):
+            _check_after(sp_tok, prompt, answer, skip)
+            assert all("\ufffd" not in p for p in _pieces(sp_tok, prompt, answer, skip))
+    g = random.Random(0)
+    for _ in range(100):
+        prompt = sp_tok.encode(g.choice(TEXTS[:4]))
+        ids = [g.randrange(0, sp_tok.vocab_size) for _ in range(g.randrange(1, 12))]
+        _check_after(sp_tok, prompt, ids)
+
+
+def test_byte_level_stream_after_prompt_equals_decode(tiny_tok):
+    for text in TEXTS:
+        ids = tiny_tok.encode(text, add_special_tokens=False)
+        for cut in {1, len(ids) // 2, len(ids) - 1}:
+            _check_after(tiny_tok, ids[:cut], ids[cut:])
+    g = random.Random(1)
+    for _ in range(100):
+        prompt = tiny_tok.encode(g.choice(TEXTS), add_special_tokens=False)
+        ids = [g.randrange(3, tiny_tok.vocab_size) for _ in range(g.randrange(1, 12))]
+        _check_after(tiny_tok, prompt, ids)
+
+
+def _check_split_character(tok: TextTokenizer) -> None:
+    ids = tok.encode("hi 🦊 there", add_special_tokens=False)
+    first = next(k for k, i in enumerate(ids) if tok.decode([i]) == "\ufffd")
+    prompt, answer = ids[: first + 2], ids[first + 2 :]  # two of the fox's four bytes in each
+    pieces = _pieces(tok, prompt, answer)
+    assert "".join(pieces) == "🦊 there" and all("\ufffd" not in p for p in pieces)
+
+
+def test_a_character_split_between_prompt_and_answer_comes_out_whole(tiny_tok, sp_tok):
+    _check_split_character(tiny_tok)
+    _check_split_character(sp_tok)
+
+
+def test_bytes_that_make_no_utf8_do_not_stop_a_sentencepiece_stream(sp_tok):
+    # ByteFallback decodes a run of byte tokens as a whole: "j" then bytes that make no UTF-8
+    # turn the "j" into U+FFFD as well, which `tokenizers`' DecodeStream cannot take back (it
+    # raised "Invalid prefix"). The stream goes on, the bytes after the "j" as decode has them.
+    byte = {b: sp_tok.tokenizer.token_to_id(f"<0x{b:02X}>") for b in (0x6A, 0xFD, 0x42, 0x8B)}
+    ids = [byte[0x6A], byte[0xFD], byte[0x42], byte[0x8B], byte[0x42]]
+    ids.append(sp_tok.tokenizer.token_to_id("\u2581capital"))
+    prompt = sp_tok.encode("The")
+    whole = _reference(sp_tok, prompt, ids)
+    assert whole == "\ufffd" * 5 + " capital"
+    assert _pieces(sp_tok, prompt, ids) == ["j", "", "", "", "", "\ufffd" * 4 + " capital"]
