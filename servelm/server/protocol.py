@@ -1,4 +1,7 @@
-"""Request and response bodies of the OpenAI API (pydantic). Unknown fields are accepted and ignored.
+"""Request and response bodies of the OpenAI API (pydantic). Unknown fields are ignored, except
+vLLM's request fields that servelm does not implement (`RequestBody.unsupported`): one that asks
+for anything but vLLM's default (`use_beam_search: true`, `bad_words`, ...) is refused with a
+400 naming it, since a client that sends it expects an answer servelm would not give.
 
 Every string of a request body must be valid Unicode and every integer must fit in 64 bits:
 JSON can spell a lone surrogate (`"\\ud800"`), which Python keeps in a str but no tokenizer or
@@ -14,9 +17,10 @@ checks them again for callers of the Python API.
 
 from __future__ import annotations
 
+import json
 import time
 from functools import cache
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import (
     BaseModel,
@@ -67,9 +71,58 @@ def _numbers_in_range(values: list[Any]) -> bool:
     return INT64[0] <= low and high <= INT64[1]
 
 
+# vLLM's fields of both chat and completions requests that servelm does not implement, with
+# vLLM's default, which asks for nothing and so is accepted (as is null). Fields that change
+# no answer (vLLM's request_id, kv_transfer_params, guided_decoding_backend) stay ignored.
+VLLM_UNSUPPORTED: dict[str, Any] = {
+    "use_beam_search": False,
+    "length_penalty": 1.0,
+    "early_stopping": False,
+    "bad_words": [],
+    "allowed_token_ids": None,
+    "truncate_prompt_tokens": None,
+    "typical_p": 1.0,  # (not vLLM's, but other servers' and transformers')
+    # vLLM's default is what a fast tokenizer does, and servelm's decode (`tokenizers`)
+    "spaces_between_special_tokens": True,
+    "logits_processors": None,
+    "vllm_xargs": None,
+    "return_tokens_as_token_ids": False,
+    "return_token_ids": False,
+    "guided_whitespace_pattern": None,
+    "prompt_embeds": None,
+}
+# chat requests' (and /tokenize's): ways to build the prompt
+VLLM_CHAT_UNSUPPORTED: dict[str, Any] = {
+    "continue_final_message": False,
+    "chat_template": None,
+    "documents": None,
+}
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    if value is None or isinstance(default, bool):
+        return value is None or value is default
+    if isinstance(default, float):
+        return type(value) in (int, float) and value == default
+    return value == default
+
+
 class RequestBody(OpenAIModel):
     """A whole request body: refuses one holding text that is not valid Unicode or an integer
-    beyond 64 bits."""
+    beyond 64 bits, and one asking for what servelm does not implement (`unsupported`)."""
+
+    # a field servelm does not implement -> the value that asks for nothing (vLLM's default)
+    unsupported: ClassVar[dict[str, Any]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, default in cls.unsupported.items():
+                if name in data and not _is_default(data[name], default):
+                    only = "" if default is None else f"; only {json.dumps(default)} is accepted"
+                    raise APIError(400, f"{name} is not supported{only}.", name)
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -133,6 +186,8 @@ class StreamOptions(OpenAIModel):
 class SamplingFields(RequestBody):
     """Fields shared by chat and completions requests."""
 
+    unsupported = VLLM_UNSUPPORTED
+
     model: str | None = None
     max_tokens: int | None = Field(None, ge=0)  # 0: only with echo (serving checks)
     temperature: float | None = Field(None, ge=0)
@@ -193,6 +248,12 @@ class ChatCompletionRequest(SamplingFields):
             ]
         }
     )  # fmt: skip
+    unsupported = {
+        **VLLM_UNSUPPORTED,
+        **VLLM_CHAT_UNSUPPORTED,
+        "echo": False,  # vLLM's: the answer after the last message, if that is the assistant's
+        "add_special_tokens": False,  # (the template writes every special token)
+    }
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
@@ -219,6 +280,7 @@ class CompletionRequest(SamplingFields):
             ]
         }
     )
+    unsupported = {**VLLM_UNSUPPORTED, "add_special_tokens": True}  # (a string prompt's BOS)
     prompt: Annotated[
         str | list[str] | list[TokenId] | list[list[TokenId]], WrapValidator(_one_prompt_error)
     ]
@@ -230,6 +292,7 @@ class CompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(RequestBody):
+    unsupported = VLLM_CHAT_UNSUPPORTED
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 from fastapi import Request
@@ -28,6 +29,7 @@ from servelm.server.serving import (
 )
 from servelm.server.sse import SSE_HEADERS
 from servelm.server.structured import checked_structure
+from servelm.text.tokenizer import TextTokenizer
 
 MAX_PROMPTS = 64
 
@@ -41,6 +43,30 @@ class Shape:
     echo_texts: list[str] | None  # per choice, with echo
     logprobs: int | None
     prompt_logprobs: int | None
+    skip_special_tokens: bool  # as the text is detokenized (for the logprobs' text_offset)
+
+
+class TextOffsets:
+    """`text_offset` of one choice's generated tokens: where each token's text starts in the
+    choice's text, counted by detokenizing the tokens as the answer's text was (after the same
+    prompt, `IncrementalDetokenizer`). Not the lengths of the tokens decoded one by one: a token
+    that holds part of a character decodes alone to U+FFFD but adds nothing until the
+    character's last byte, and text held back for stop strings does not delay the offsets, so
+    a stream and a whole answer get the same ones. (Bytes that make no UTF-8 come out as U+FFFD
+    with the next token's text, which then starts at them.)"""
+
+    def __init__(
+        self, tokenizer: TextTokenizer, prompt_ids: list[int], skip_special_tokens: bool, start: int
+    ) -> None:
+        self._stream = tokenizer.decode_stream(skip_special_tokens, prompt_ids)
+        self._at = start
+
+    def of(self, token_ids: list[int]) -> list[int]:
+        out = []
+        for t in token_ids:
+            out.append(self._at)
+            self._at += len(self._stream.step(t))
+        return out
 
 
 class ServingCompletion(OpenAIServing):
@@ -100,6 +126,7 @@ class ServingCompletion(OpenAIServing):
             else None,
             req.logprobs,
             req.prompt_logprobs,
+            params.skip_special_tokens,
         )
         choices = self.run_choices(rid, prompts, params, req.priority)
         num_prompt = sum(len(p) for p in prompts)
@@ -119,34 +146,39 @@ class ServingCompletion(OpenAIServing):
             return list(prompt)
         return [self.tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts]
 
-    def _logprobs(self, lps: list[Logprobs], offset: int) -> dict[str, Any]:
+    def _logprobs(self, lps: list[Logprobs], offsets: TextOffsets) -> dict[str, Any]:
         dec = self.tokenizer.decode
         tokens = [dec([lp.token_id], skip_special_tokens=False) for lp in lps]
-        offsets = []
-        for t in tokens:
-            offsets.append(offset)
-            offset += len(t)
         return {
             "tokens": tokens,
             "token_logprobs": [lp.logprob for lp in lps],
             "top_logprobs": [
                 {dec([t], skip_special_tokens=False): v for t, v in lp.top} for lp in lps
             ],
-            "text_offset": offsets,
+            "text_offset": offsets.of([lp.token_id for lp in lps]),
         }
 
+    def _prompt_offsets(self, ids: list[int], echo_text: str) -> list[int]:
+        """Where each prompt token's text starts in the echoed prompt: from detokenizing the
+        prompt with its special tokens' text kept (as the text of token ids is) or else left
+        out (a string prompt's BOS), whichever gives the echoed text back; within it when
+        neither does (a tokenizer that normalizes text)."""
+        for skip in (False, True):
+            stream = self.tokenizer.decode_stream(skip)
+            pieces = [stream.step(t) for t in ids]
+            if "".join(pieces) == echo_text:
+                break
+        starts = accumulate((len(p) for p in pieces[:-1]), initial=0)
+        return [min(start, len(echo_text)) for start in starts]
+
     def _prompt_logprobs(
-        self, ids: list[int], entries: list[Logprobs | None], k: int
+        self, ids: list[int], entries: list[Logprobs | None], k: int, echo_text: str
     ) -> dict[str, Any]:
         """The echoed prompt's part of `logprobs`: its first token's logprob and top_logprobs
         null (nothing precedes it), each other top_logprobs the k most likely and the prompt's
         own token (as vLLM and OpenAI's legacy API), text_offset from the start of the prompt."""
         dec = self.tokenizer.decode
         tokens = [dec([t], skip_special_tokens=False) for t in ids]
-        offsets, offset = [], 0
-        for t in tokens:
-            offsets.append(offset)
-            offset += len(t)
         return {
             "tokens": tokens,
             "token_logprobs": [None] + [lp.logprob for lp in entries[1:]],
@@ -155,20 +187,26 @@ class ServingCompletion(OpenAIServing):
                 {**{dec([t], False): v for t, v in lp.top[:k]}, tokens[pos]: lp.logprob}
                 for pos, lp in enumerate(entries[1:], start=1)
             ],
-            "text_offset": offsets,
+            "text_offset": self._prompt_offsets(ids, echo_text),
         }
 
+    def _text_offsets(self, i: int, shape: Shape) -> TextOffsets:
+        """Choice i's generated tokens' text_offset, after its echoed prompt if any."""
+        start = len(shape.echo_texts[i]) if shape.echo_texts else 0
+        return TextOffsets(self.tokenizer, shape.prompt_ids[i], shape.skip_special_tokens, start)
+
     def _choice_logprobs(
-        self, i: int, shape: Shape, prompt_lps, lps: list[Logprobs], offset: int
+        self, i: int, shape: Shape, prompt_lps, lps: list[Logprobs], offsets: TextOffsets
     ) -> dict[str, Any] | None:
-        """A choice's (or a first chunk's) `logprobs`: with echo the prompt's part first."""
-        if shape.logprobs is None:
-            return None
+        """A choice's (or a first chunk's) `logprobs` when asked: with echo the prompt's part
+        first."""
         echoed = shape.echo_texts is not None and prompt_lps  # prompt_logprobs alone: not echoed
-        gen = self._logprobs(lps, offset + (len(shape.echo_texts[i]) if echoed else 0))
+        gen = self._logprobs(lps, offsets)
         if not echoed:
             return gen if lps else None
-        part = self._prompt_logprobs(shape.prompt_ids[i], prompt_lps, shape.logprobs)
+        part = self._prompt_logprobs(
+            shape.prompt_ids[i], prompt_lps, shape.logprobs, shape.echo_texts[i]
+        )
         return {key: part[key] + gen[key] for key in part}
 
     async def _full(self, rid, created, shape: Shape, num_prompt, choices) -> dict[str, Any]:
@@ -181,7 +219,11 @@ class ServingCompletion(OpenAIServing):
                 "index": i,
                 "text": (shape.echo_texts[i] if shape.echo_texts else "") + done.texts[i],
                 "finish_reason": done.reasons[i],
-                "logprobs": self._choice_logprobs(i, shape, prompt_lps, done.logprobs[i], 0),
+                "logprobs": None
+                if shape.logprobs is None
+                else self._choice_logprobs(
+                    i, shape, prompt_lps, done.logprobs[i], self._text_offsets(i, shape)
+                ),
             }
             if shape.prompt_logprobs is not None and prompt_lps is not None:
                 choice["prompt_logprobs"] = self.prompt_logprobs_json(
@@ -200,7 +242,8 @@ class ServingCompletion(OpenAIServing):
     def _stream(self, rid, created, shape: Shape, num_prompt, choices, include_usage):
         model = self.state.model_name
         total = len(shape.prompt_ids)
-        offsets = [0] * total  # each choice's text so far, for the logprobs' text_offset
+        asked = shape.logprobs is not None
+        offsets = [self._text_offsets(i, shape) for i in range(total)] if asked else []
         echoed = [shape.echo_texts is None] * total  # whether the choice's prompt went out
 
         chunk = chunk_writer(rid, "text_completion", created, model)
@@ -211,8 +254,9 @@ class ServingCompletion(OpenAIServing):
                 echoed[i] = True
                 text = shape.echo_texts[i] + text
                 prompt_lps = delta.prompt_logprobs
-            lps = self._choice_logprobs(i, shape, prompt_lps, delta.logprobs or [], offsets[i])
-            offsets[i] += len(text)
+            lps = None
+            if asked:
+                lps = self._choice_logprobs(i, shape, prompt_lps, delta.logprobs or [], offsets[i])
             choice = {
                 "index": i,
                 "text": text,
