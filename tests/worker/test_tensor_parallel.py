@@ -52,6 +52,8 @@ def _tokens(model_dir: Path, prompts, **kwargs) -> list[tuple[list[int], list[fl
         ("LlamaConfig", 4, {}),
         ("Qwen2Config", 2, {}),  # q/k/v biases: column slices of the bias too
         ("LlamaConfig", 1, {"vocab_size": 387}),  # KV head replicated; vocab 194 + 193 (+1 pad)
+        # o_proj's and down_proj's biases (row slices: added once, after the sum), gate/up's
+        ("LlamaConfig", 4, {"attention_bias": True, "mlp_bias": True}),
     ],
 )
 def test_tp2_equals_tp1_and_transformers(tmp_path, monkeypatch, config, kv_heads, extra):
