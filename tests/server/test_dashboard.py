@@ -289,3 +289,24 @@ def test_with_the_key_the_page_and_its_feed_answer(keyed):
     # the routes are not API: /openapi.json leaves them out
     spec = httpx.get(keyed.url + "/openapi.json", headers=bearer, timeout=10).json()
     assert not any(p.startswith("/dashboard") for p in spec["paths"])
+
+
+def test_requests_older_than_the_window_leave_it_even_with_no_step_since():
+    """The last engine step's requests finish (and are recorded) just after its reading: five
+    idle minutes later they showed as 'over the last 300 s'."""
+    from types import SimpleNamespace
+
+    from servelm.server.dashboard import WINDOW, DashboardHub
+    from servelm.server.metrics import RequestTimer, ServerMetrics
+
+    metrics = ServerMetrics("m", 16, 8)
+    listeners = SimpleNamespace(dashboard_listeners=[], stats_listeners=[])  # (no engine here)
+    hub = DashboardHub(listeners, metrics, "m")
+    last_step = hub.samples[-1][0]
+    timer = RequestTimer(metrics, arrival=last_step - 15, num_prompt_tokens=8)
+    timer.on_tokens(last_step - 14, 1)
+    timer.on_finish(last_step + 0.01, "stop", 8)  # recorded after the last reading
+    soon = hub._server_part(last_step + 10)["latency"]["e2e"]
+    assert soon["count"] == 1
+    later = hub._server_part(last_step + WINDOW + 20)
+    assert later["latency"]["e2e"]["count"] == 0 and later["window_seconds"] == WINDOW

@@ -270,11 +270,11 @@ class DashboardHub(FeedHub):
     def _server_part(self, now: float) -> dict[str, Any]:
         """Latency percentiles, token rates and the hit rate, from this process's metrics."""
         reading = self._read()
-        # The window starts at the oldest reading at most WINDOW (+ one sampling period) old; a
-        # reading older than that is the base only when it is the last one taken (then no step
-        # has run since, and nothing has changed).
+        # The window starts at the oldest reading at most WINDOW (+ one sampling period) old.
+        # With none that recent no step has run in the window, so it is empty: the last reading
+        # is no base, since the requests of its last steps finished (and were recorded) after it.
         start = next((x for x in self.samples if x[0] >= now - WINDOW - SAMPLE_EVERY), None)
-        base_time, base = start if start is not None else self.samples[-1]
+        base_time, base = start if start is not None else (now - WINDOW, reading)
         latency = {}
         for key in ("ttft", "tpot", "itl", "e2e"):
             delta = [(b, c - c0) for (b, c), (_, c0) in zip(reading[key], base[key], strict=True)]
