@@ -100,21 +100,11 @@ def build_model(out: Path, layout: str = "legacy") -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from tests.model.family_harness import TINY
+
     vocab = build_tokenizer(out, layout)
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=True,
-        torch_dtype="float32",
-    )
+    shape = {**TINY, "max_position_embeddings": 512}
+    config = LlamaConfig(vocab_size=vocab, **shape, tie_word_embeddings=True, dtype="float32")
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(out, safe_serialization=True)
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
