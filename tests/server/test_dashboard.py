@@ -248,6 +248,21 @@ def test_the_page_follows_the_feed_again_after_an_error_answer(served):
         browser.close()
 
 
+def test_a_page_open_in_a_browser_adds_no_client_requests(served):
+    """The page, its files, its feed and the browser's own /favicon.ico (a 404 in the 4xx
+    panel on every page load) stay out of http_requests_total."""
+    from playwright.sync_api import sync_playwright
+
+    before = served.metrics().get("servelm:http_requests_total", 0)
+    with sync_playwright() as pw:
+        browser = launch(pw)
+        tab = browser.new_page()
+        tab.goto(served.url + "/dashboard")
+        tab.wait_for_function("+(document.body.dataset.updates || 0) >= 2", timeout=20_000)
+        browser.close()
+    assert served.metrics().get("servelm:http_requests_total", 0) == before
+
+
 def login_in_a_browser(url: str, password: str) -> int:
     """The status a real Chromium ends with for the page when a person types `password` into
     the login box it offers (where it offers none, the 401 stays)."""
