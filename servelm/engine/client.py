@@ -134,6 +134,7 @@ class AsyncEngineClient:
         params: SamplingParams,
         priority: int = 0,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[TextDelta]:
         """Deltas of one request (n == 1) until it finishes; aborts it if the caller stops early."""
         if not self.is_alive:
@@ -148,6 +149,7 @@ class AsyncEngineClient:
             self.tokenizer.eos_token_ids,
             arrival_time or time.time(),
             priority,
+            cache_salt,
         )
         finished = False
         try:

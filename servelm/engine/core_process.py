@@ -193,6 +193,7 @@ def _add(core, req) -> list:
         frozenset(req.eos_token_ids),
         req.arrival_time,
         req.priority,
+        req.cache_salt,
     )
     try:
         core.add_request(request)

@@ -27,6 +27,7 @@ class EngineCoreRequest:
     eos_token_ids: list[int]
     arrival_time: float
     priority: int = 0
+    cache_salt: str | None = None  # see Request.cache_salt
 
 
 @dataclass

@@ -57,6 +57,10 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     arrival_time: float = field(default_factory=time.time)
     priority: int = 0
+    # Isolates this request's prefix-cache entries: its block hashes chain from the salt, so only
+    # requests with the same salt share KV blocks (vLLM's `cache_salt`: a tenant's prompts cannot
+    # be probed by another's time to first token).
+    cache_salt: str | None = None
     # Set by the engine.
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -114,9 +114,10 @@ class PrefixAware(RoutingPolicy):
         self._table: OrderedDict[bytes, str] = OrderedDict()
 
     def choose(self, candidates: Sequence[Replica], req: RouteRequest) -> Decision:
-        hashes = block_hashes(
-            prompt_text(req.body), self.block_chars, self.max_blocks, req.model or ""
-        )
+        # a salted prompt (cache_salt) shares KV only with prompts of the same salt
+        salt = req.body.get("cache_salt")
+        seed = f"{req.model or ''}\0{salt}" if isinstance(salt, str) else req.model or ""
+        hashes = block_hashes(prompt_text(req.body), self.block_chars, self.max_blocks, seed)
         least = self.fallback.choose(candidates, req).replica
         affine = self._longest_match(hashes, {r.url: r for r in candidates})
         if affine is None:

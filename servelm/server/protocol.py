@@ -204,6 +204,9 @@ class SamplingFields(RequestBody):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     priority: int = 0
+    # vLLM's: prompts share prefix-cache blocks only with prompts of the same salt (a tenant's
+    # cached prompts cannot be probed through another tenant's time to first token)
+    cache_salt: str | None = Field(None, min_length=1)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     skip_special_tokens: bool = True

@@ -302,7 +302,12 @@ class OpenAIServing:
         return out
 
     def run_choices(
-        self, request_id: str, prompts: list[list[int]], params: SamplingParams, priority: int
+        self,
+        request_id: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        priority: int,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[tuple[int, TextDelta]]:
         """Start every choice of every prompt now; iterate to get `(choice index, delta)` as they come.
 
@@ -321,7 +326,7 @@ class OpenAIServing:
             timer, finished, cut = RequestTimer(state.metrics, arrival, len(prompt)), False, "abort"
             try:
                 async for delta in self.engine.generate(
-                    f"{request_id}-{index}", prompt, p, priority, arrival
+                    f"{request_id}-{index}", prompt, p, priority, arrival, cache_salt
                 ):
                     now = time.time()
                     timer.on_tokens(now, len(delta.token_ids), delta.queued_time)

@@ -143,7 +143,7 @@ class ServingChat(OpenAIServing):
         rid = new_id("chatcmpl", raw.scope)
         created = int(time.time())
         model = self.state.model_name
-        choices = self.run_choices(rid, [prompt_ids], params, req.priority)
+        choices = self.run_choices(rid, [prompt_ids], params, req.priority, req.cache_salt)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             if tools is not None:

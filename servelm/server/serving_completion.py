@@ -128,7 +128,7 @@ class ServingCompletion(OpenAIServing):
             req.prompt_logprobs,
             params.skip_special_tokens,
         )
-        choices = self.run_choices(rid, prompts, params, req.priority)
+        choices = self.run_choices(rid, prompts, params, req.priority, req.cache_salt)
         num_prompt = sum(len(p) for p in prompts)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)

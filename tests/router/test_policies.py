@@ -104,6 +104,18 @@ def test_prefix_aware_spreads_distinct_prefixes_by_load() -> None:
         assert policy.choose(reps, chat(f"prompt {p}: " + SYSTEM, "again")).replica.url == homes[p]
 
 
+def test_prefix_aware_keeps_salted_prompts_apart() -> None:
+    # a replica shares KV blocks only between prompts of one cache_salt: another salt's prefix
+    # sitting there is no reason to go to it
+    reps = [replica(n) for n in "ab"]
+    policy = PrefixAware()
+    salted = chat(SYSTEM, "q")
+    salted.body["cache_salt"] = "tenant-a"
+    assert policy.choose(reps, salted).reason == "prefix_miss"
+    assert policy.choose(reps, chat(SYSTEM, "q2")).reason == "prefix_miss"
+    assert policy.choose(reps, salted).reason == "prefix_hit"
+
+
 def test_prefix_aware_spills_a_hot_prefix_when_unbalanced() -> None:
     a, b = replica("a"), replica("b")
     policy = PrefixAware(imbalance_abs=4, imbalance_rel=1.5)

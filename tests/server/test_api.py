@@ -246,6 +246,24 @@ def test_cached_tokens_on_repeated_long_prompt(client):
     assert r.usage.prompt_tokens_details.cached_tokens < r.usage.prompt_tokens
 
 
+def test_cache_salt_shares_prefix_blocks_only_within_one_salt(client):
+    # vLLM's cache_salt: a tenant's cached prompt must not speed up (so be probed by) another's.
+    prompt = "Prefix caching across tenants leaks timing through shared blocks. " * 12
+
+    def cached(**extra):
+        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, extra_body=extra)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert cached(cache_salt="tenant-a") == 0  # first time seen, salted
+    assert cached() == 0  # unsalted: not tenant a's blocks
+    assert cached(cache_salt="tenant-b") == 0
+    assert cached(cache_salt="tenant-a") >= 16  # the same salt hits its own
+    assert cached(cache_salt="tenant-b") >= 16
+    assert cached() >= 16
+    with pytest.raises(openai.BadRequestError, match="cache_salt"):
+        cached(cache_salt="")
+
+
 def test_stop_strings_and_max_tokens_past_the_context(client, tokenizer):
     base = (
         client.completions.create(

@@ -23,6 +23,14 @@ BlockHash = bytes
 ROOT_HASH: BlockHash = b""
 
 
+def root_hash(cache_salt: str | None) -> BlockHash:
+    """Where a request's chain of block hashes starts: ROOT_HASH, or for a salted request a
+    digest of its salt, so that its blocks match only those of requests with the same salt."""
+    if cache_salt is None:
+        return ROOT_HASH
+    return hashlib.blake2b(cache_salt.encode(), digest_size=16, person=b"cache_salt").digest()
+
+
 def hash_block_tokens(parent_hash: BlockHash, token_ids: Sequence[int]) -> BlockHash:
     """The chained hash of one full block: depends on every token before it, not only its own.
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from operator import attrgetter
 
-from servelm.engine.kv_cache.block_pool import ROOT_HASH, BlockPool, KVBlock, hash_block_chain
+from servelm.engine.kv_cache.block_pool import BlockPool, KVBlock, hash_block_chain, root_hash
 from servelm.engine.request import Request
 
 _BLOCK_ID = attrgetter("block_id")
@@ -136,7 +136,7 @@ class KVCacheManager:
         if start >= num_full_blocks:
             return
         bs = self.block_size
-        parent = hashes[-1] if hashes else ROOT_HASH
+        parent = hashes[-1] if hashes else root_hash(request.cache_salt)
         tokens = request.token_ids_slice(start * bs, num_full_blocks * bs)
         hashes.extend(hash_block_chain(parent, tokens, bs))
 
