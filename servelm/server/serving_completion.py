@@ -149,11 +149,14 @@ class ServingCompletion(OpenAIServing):
     def _logprobs(self, lps: list[Logprobs], offsets: TextOffsets) -> dict[str, Any]:
         dec = self.tokenizer.decode
         tokens = [dec([lp.token_id], skip_special_tokens=False) for lp in lps]
+        # each top_logprobs holds the k most likely and the sampled token, as vLLM's do (and as
+        # the echoed prompt's): `logprobs: 0` asks for the sampled token's alone
         return {
             "tokens": tokens,
             "token_logprobs": [lp.logprob for lp in lps],
             "top_logprobs": [
-                {dec([t], skip_special_tokens=False): v for t, v in lp.top} for lp in lps
+                {**{dec([t], False): v for t, v in lp.top}, tok: lp.logprob}
+                for tok, lp in zip(tokens, lps, strict=True)
             ],
             "text_offset": offsets.of([lp.token_id for lp in lps]),
         }

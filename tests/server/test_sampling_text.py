@@ -87,3 +87,17 @@ def test_text_offset_of_split_characters(client, tokenizer):
     ids = tokenizer.encode(prompt)
     t = client.completions.create(prompt=ids, echo=True, extra_body=extra, **kw).choices[0]
     assert t.text == e.text and t.logprobs.text_offset == e.logprobs.text_offset
+
+
+def test_completion_top_logprobs_hold_the_sampled_token(client):
+    # as vLLM's: the k most likely and the sampled token; `logprobs: 0` gives the sampled alone
+    # (it gave `{}` for every token)
+    kw = dict(model="tiny", prompt=FOX, max_tokens=6, temperature=1.0, seed=3)
+    zero = client.completions.create(logprobs=0, **kw).choices[0].logprobs
+    assert zero.top_logprobs == [
+        {t: v} for t, v in zip(zero.tokens, zero.token_logprobs, strict=True)
+    ]
+    two = client.completions.create(logprobs=2, **kw).choices[0].logprobs
+    assert two.tokens == zero.tokens
+    for tok, top in zip(two.tokens, two.top_logprobs, strict=True):
+        assert 2 <= len(top) <= 3 and tok in top
