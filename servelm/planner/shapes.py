@@ -203,6 +203,7 @@ def shape_from_config(config: dict, name: str = "model") -> ModelShape:
     try:
         hidden = int(config["hidden_size"])
         heads = int(config["num_attention_heads"])
+        qwen2 = config.get("model_type") == "qwen2"
         shape = ModelShape(
             name=name,
             num_layers=int(config["num_hidden_layers"]),
@@ -214,9 +215,11 @@ def shape_from_config(config: dict, name: str = "model") -> ModelShape:
             vocab_size=int(config["vocab_size"]),
             tie_embeddings=bool(config.get("tie_word_embeddings", False)),
             max_context=int(config.get("max_position_embeddings", 4096)),
-            qkv_bias=config.get("model_type") == "qwen2" or bool(config.get("attention_bias")),
-            o_bias=bool(config.get("attention_bias")),
-            mlp_bias=bool(config.get("mlp_bias")),
+            # as transformers builds them: Qwen2 always biases q, k and v, never o_proj or
+            # the MLP, whatever `attention_bias` / `mlp_bias` say
+            qkv_bias=qwen2 or bool(config.get("attention_bias")),
+            o_bias=not qwen2 and bool(config.get("attention_bias")),
+            mlp_bias=not qwen2 and bool(config.get("mlp_bias")),
             kv_window=_kv_window(config),
             qk_norm=config.get("model_type") in ("qwen3", "qwen3_moe", "gemma3", "gemma3_text"),
             post_norms=config.get("model_type") in ("gemma2", "gemma3", "gemma3_text"),

@@ -73,6 +73,9 @@ def test_shape_from_config_matches_catalog():
     qwen = shape_from_config(QWEN_05B_CONFIG, name="qwen")
     assert qwen.qkv_bias and qwen.tie_embeddings
     assert qwen.num_params() == get_model("qwen2.5-0.5b").num_params()
+    # Qwen2's modeling ignores attention_bias / mlp_bias (q, k, v biased; o_proj, MLP not)
+    flagged = {**QWEN_05B_CONFIG, "attention_bias": True, "mlp_bias": True}
+    assert shape_from_config(flagged, name="qwen").num_params() == qwen.num_params()
 
 
 def test_shape_from_folder(tmp_path):
