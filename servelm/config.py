@@ -87,6 +87,30 @@ def scheduler_limit(name: str):
     return bounded_int(SCHEDULER_LEAST[name])
 
 
+# What each of these engine arguments may be: the command line's choices, and what EngineArgs
+# itself checks (`LLM(**kwargs)` skips argparse, and an unknown value would be taken for another
+# or fail only once the model is loading)
+ENGINE_CHOICES = {
+    "dtype": ("auto", "float32", "bfloat16", "float16"),
+    "quantization": ("auto", "none", "int4"),
+    "kernels": ("auto", "torch"),
+    "int4_activations": ("auto", "int16", "int8", "float32"),
+    "scheduling_policy": ("fcfs", "priority"),
+}
+
+# The argparse types of the engine's other checked arguments: EngineArgs gives each value to
+# the same function as text (so 3.5 or True is no integer)
+ENGINE_TYPES = {
+    "device": device_name,
+    "max_model_len": positive_int,
+    "block_size": positive_int,
+    "gpu_memory_utilization": fraction,
+    "num_threads": positive_int,
+    "tensor_parallel_size": bounded_int(1, 64),
+    **{name: scheduler_limit(name) for name in SCHEDULER_LEAST},
+}
+
+
 def parse_size(text: str | int | None) -> int | None:
     """'4GiB', '512MB', '1e9' or a number of bytes -> bytes."""
     if text is None or isinstance(text, int):
@@ -125,7 +149,24 @@ class EngineArgs:
     step_trace: str | None = None  # append one JSON line per engine step to this file
 
     def __post_init__(self) -> None:
-        self.kv_cache_memory = parse_size(self.kv_cache_memory)
+        """ValueError naming the first argument the command line would refuse."""
+        for name, choices in ENGINE_CHOICES.items():
+            value = getattr(self, name)
+            if value not in choices:
+                raise ValueError(f"{name}: {value!r} is not one of {', '.join(choices)}")
+        optional = {f.name for f in fields(self) if f.default is None}
+        for name, parse in ENGINE_TYPES.items():
+            value = getattr(self, name)
+            if value is None and name in optional:
+                continue
+            try:
+                setattr(self, name, parse(str(value)))
+            except argparse.ArgumentTypeError as exc:
+                raise ValueError(f"{name}: {exc}") from None
+        try:
+            self.kv_cache_memory = parse_size(self.kv_cache_memory)
+        except argparse.ArgumentTypeError as exc:
+            raise ValueError(f"kv_cache_memory: {exc}") from None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, model_positional: bool = True) -> None:
@@ -140,24 +181,25 @@ class EngineArgs:
         g.add_argument("--store", default=None, help="model store folder (env SERVELM_MODEL_STORE)")
         g.add_argument("--revision", default=None, help="hub revision to pin")
         g.add_argument("--served-model-name", default=None)
-        g.add_argument(
-            "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
-        )
+        g.add_argument("--dtype", default="auto", choices=ENGINE_CHOICES["dtype"])
         g.add_argument(
             "--quantization",
             default="auto",
-            choices=["auto", "none", "int4"],
+            choices=ENGINE_CHOICES["quantization"],
             help="int4: the projections multiply 4-bit copies of their weights (CPU, "
             "bfloat16; lossy unless the weights are 4-bit already); auto: int4 only when "
             "lossless, as for a Q4_1 GGUF such as the default model",
         )
         g.add_argument(
-            "--device", type=device_name, default="auto", help="auto, cpu, cuda, cuda:1 ..."
+            "--device",
+            type=ENGINE_TYPES["device"],
+            default="auto",
+            help="auto, cpu, cuda, cuda:1 ...",
         )
         g.add_argument(
             "--kernels",
             default="auto",
-            choices=["auto", "torch"],
+            choices=ENGINE_CHOICES["kernels"],
             help="auto: on the CPU, attention, the fused norm / rotary / SiLU layers and the "
             "int4 / Q8_0 matmuls run in servelm's C kernels (built with the system C compiler "
             "on first use, then cached), and a step whose int4 matmuls stay in C runs all its "
@@ -167,7 +209,7 @@ class EngineArgs:
         g.add_argument(
             "--int4-activations",
             default="auto",
-            choices=["auto", "int16", "int8", "float32"],
+            choices=ENGINE_CHOICES["int4_activations"],
             help="how the C int4 matmuls take x (not on AMX tiles): int16 per group of 32 "
             "(exact but for x 2^7 below its group's largest), int8 as llama.cpp does (about "
             "0.7 %% off; with VNNI 1.5-1.6x faster prompts), float32 (x as it is: bfloat16 "
@@ -186,45 +228,49 @@ class EngineArgs:
         )
         g.add_argument(
             "--max-model-len",
-            type=positive_int,
+            type=ENGINE_TYPES["max_model_len"],
             default=None,
             help="tokens a sequence may hold, prompt and output (default: the model's context)",
         )
-        g.add_argument("--max-num-seqs", type=scheduler_limit("max_num_seqs"), default=64)
+        g.add_argument("--max-num-seqs", type=ENGINE_TYPES["max_num_seqs"], default=64)
         g.add_argument(
             "--max-num-batched-tokens",
-            type=scheduler_limit("max_num_batched_tokens"),
+            type=ENGINE_TYPES["max_num_batched_tokens"],
             default=2048,
         )
         g.add_argument(
             "--max-prefill-admit-tokens",
-            type=scheduler_limit("max_prefill_admit_tokens"),
+            type=ENGINE_TYPES["max_prefill_admit_tokens"],
             default=None,
             help="admit new prompts into a step only while its prompt tokens are fewer than "
             "this (a prompt admitted is not cut short for it); 0: up to the step budget "
             f"(default: {CPU_PREFILL_ADMIT_TOKENS} on a CPU, 0 on a GPU)",
         )
-        g.add_argument("--block-size", type=positive_int, default=16)
+        g.add_argument("--block-size", type=ENGINE_TYPES["block_size"], default=16)
         g.add_argument(
             "--kv-cache-memory",
             type=parse_size,
             default=None,
             help="KV cache budget, e.g. 2GiB (default: 1GiB on CPU; profiled on CUDA)",
         )
-        g.add_argument("--gpu-memory-utilization", type=fraction, default=0.9)
+        g.add_argument(
+            "--gpu-memory-utilization", type=ENGINE_TYPES["gpu_memory_utilization"], default=0.9
+        )
         g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
-        g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+        g.add_argument(
+            "--scheduling-policy", default="fcfs", choices=ENGINE_CHOICES["scheduling_policy"]
+        )
         g.add_argument("--seed", type=int, default=0)
         g.add_argument(
             "--num-threads",
-            type=positive_int,
+            type=ENGINE_TYPES["num_threads"],
             default=None,
             help="CPU threads for torch (default: every core)",
         )
         g.add_argument(
             "--tensor-parallel-size",
             "-tp",
-            type=bounded_int(1, 64),
+            type=ENGINE_TYPES["tensor_parallel_size"],
             default=1,
             help="split every layer over this many ranks (processes; one per GPU on CUDA, "
             "sharing the cores on a CPU), each loading only its slices of the weights; "

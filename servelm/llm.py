@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,13 +20,17 @@ from servelm.engine.output_processor import OutputProcessor
 from servelm.engine.outputs import SchedulerStats
 from servelm.engine.outputs_api import CompletionOutput, RequestOutput
 from servelm.engine.requests import child_requests, default_sampling_params
-from servelm.engine.sampling_params import SamplingParams
+from servelm.engine.sampling_params import InvalidParamError, SamplingParams
 from servelm.store.fetch import resolve_model_dir
+from servelm.text.chat_messages import prepare_chat
 from servelm.text.tokenizer import TextTokenizer
 
 logger = logging.getLogger("servelm")
 
-Prompt = str | list[int]
+# A prompt's text or token ids, or vLLM's TextPrompt / TokensPrompt: {"prompt": text} or
+# {"prompt_token_ids": ids}
+Prompt = str | list[int] | dict[str, Any]
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 
 @dataclass
@@ -56,6 +61,9 @@ class LLM:
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.totals = EngineTotals()
+        # One call drives the engine at a time: it is not thread-safe (a second thread stepping
+        # it mid-step corrupts the runner's batch, or kills the process), so others wait.
+        self._lock = threading.Lock()
 
     def default_sampling_params(self, **overrides: Any) -> SamplingParams:
         return default_sampling_params(self.tokenizer, **overrides)
@@ -70,8 +78,9 @@ class LLM:
 
         Every prompt and its parameters are checked before any runs (a ValueError or TypeError
         naming the prompt); if anything fails or is interrupted (Ctrl-C) part-way, what was
-        started is aborted, so the next call starts clean."""
-        if isinstance(prompts, str) or (
+        started is aborted, so the next call starts clean. `priority` (one per prompt, lower
+        first) needs `scheduling_policy="priority"`. Calls from several threads take turns."""
+        if isinstance(prompts, (str, bytes, Mapping)) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]  # type: ignore[list-item]
@@ -86,16 +95,26 @@ class LLM:
                 f"{len(prompts)} prompts but {len(sampling_params)} sampling params: give one, "
                 "or one per prompt"
             )
+        priority = self._checked_priority(priority, len(prompts))
         requests = [
             (self._prompt_ids(i, prompt), self._checked_params(i, params))
             for i, (prompt, params) in enumerate(zip(prompts, sampling_params, strict=True))
         ]
+        with self._lock:
+            return self._generate(prompts, requests, priority)
+
+    def _generate(
+        self,
+        prompts: list[Prompt],
+        requests: list[tuple[list[int], SamplingParams]],
+        priority: Sequence[int] | None,
+    ) -> list[RequestOutput]:
         results: list[RequestOutput] = []
         by_child: dict[str, tuple[RequestOutput, CompletionOutput]] = {}
         try:
             for i, (prompt, (ids, params)) in enumerate(zip(prompts, requests, strict=True)):
                 rid = f"offline-{next(self._ids)}"
-                result = RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids, [])
+                result = RequestOutput(rid, _prompt_text(prompt), ids, [])
                 eos = self.tokenizer.eos_token_ids
                 for j, req in enumerate(
                     child_requests(rid, ids, params, eos, priority[i] if priority else 0)
@@ -115,14 +134,19 @@ class LLM:
     def _prompt_ids(self, i: int, prompt: Any) -> list[int]:
         """A prompt's token ids, checked as the server checks them (never an empty prompt or an
         id outside the vocabulary, which the model would index with)."""
+        if isinstance(prompt, Mapping):
+            prompt = _prompt_of_dict(i, prompt)
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, Sequence) and all(
+        elif isinstance(prompt, (list, tuple)) and all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt
         ):
             ids = list(prompt)
         else:
-            raise TypeError(f"prompt {i} must be a string or a list of token ids (integers)")
+            raise TypeError(
+                f"prompt {i} must be a string, a list of token ids (integers), "
+                f"{{'prompt': text}} or {{'prompt_token_ids': ids}}; got {type(prompt).__name__}"
+            )
         if not ids:
             raise ValueError(f"prompt {i} is empty")
         vocab = self.info.spec.vocab_size  # the model's rows (a tokenizer may use fewer)
@@ -131,12 +155,35 @@ class LLM:
             raise ValueError(f"prompt {i}: token ids must be in [0, {vocab}), got {bad}")
         return ids
 
-    @staticmethod
-    def _checked_params(i: int, params: Any) -> SamplingParams:
+    def _checked_params(self, i: int, params: Any) -> SamplingParams:
+        """`params` checked again (a field may have changed since it was made), and its token
+        ids against the model's vocabulary, as the server checks a request's."""
         if not isinstance(params, SamplingParams):
             kind = type(params).__name__
             raise TypeError(f"sampling params {i} must be a SamplingParams, got {kind}")
+        try:
+            params.validate()
+            params.check_token_ids(self.info.spec.vocab_size)
+        except InvalidParamError as exc:
+            raise InvalidParamError(exc.param, f"sampling params {i}: {exc.message}") from None
         return params
+
+    def _checked_priority(self, priority: Any, num_prompts: int) -> list[int] | None:
+        """One integer per prompt, and only under the priority policy (vLLM's rule, and the
+        server's: a priority the scheduler would ignore is refused, not dropped)."""
+        if priority is None:
+            return None
+        priority = list(priority)
+        if len(priority) != num_prompts:
+            raise ValueError(f"{num_prompts} prompts but {len(priority)} priorities: give one each")
+        if not all(isinstance(p, int) and not isinstance(p, bool) for p in priority):
+            raise TypeError("priority must be a list of integers")
+        if any(priority) and self.args.scheduling_policy != "priority":
+            raise ValueError(
+                "priority scheduling is not enabled: a priority other than 0 needs "
+                'LLM(..., scheduling_policy="priority")'
+            )
+        return priority
 
     def _abort(self, request_ids: list[str]) -> None:
         self.engine.abort_requests(request_ids)
@@ -149,9 +196,16 @@ class LLM:
         sampling_params: SamplingParams | None = None,
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
-        if conversations and isinstance(conversations[0], dict):
+        """The conversations' prompts built as the server builds them (`prepare_chat`:
+        developer turns, text parts, tool calls and tool results), then `generate`."""
+        if conversations and isinstance(conversations[0], Mapping):
             conversations = [conversations]  # type: ignore[list-item]
-        prompts = [self.tokenizer.encode_chat(c, add_generation_prompt) for c in conversations]
+        prompts = []
+        for c in conversations:
+            messages, _, template = prepare_chat(self.tokenizer, c)
+            prompts.append(
+                self.tokenizer.encode_chat(messages, add_generation_prompt, chat_template=template)
+            )
         return self.generate(prompts, sampling_params)
 
     def _run(self, by_child: dict[str, tuple[RequestOutput, CompletionOutput]]) -> None:
@@ -165,6 +219,8 @@ class LLM:
                 delta = self.processor.process(out)
                 if delta is None:
                     continue
+                if delta.error is not None:  # (a grammar that does not compile: the reason)
+                    raise ValueError(delta.error)
                 result, completion = by_child[out.request_id]
                 completion.text += delta.text
                 completion.token_ids.extend(delta.token_ids)
@@ -178,3 +234,26 @@ class LLM:
                     pending.discard(out.request_id)
                     if delta.abort_engine:
                         self.engine.abort_requests([out.request_id])
+
+
+def _prompt_of_dict(i: int, prompt: Mapping[str, Any]) -> str | list[int]:
+    """The text or ids of vLLM's TextPrompt / TokensPrompt (its ids where it has both)."""
+    other = [key for key in prompt if key not in PROMPT_KEYS]
+    if other or not prompt:
+        raise ValueError(
+            f"prompt {i}: a dict prompt takes 'prompt' (text) or 'prompt_token_ids'; "
+            f"servelm does not take {', '.join(map(repr, other)) or 'an empty dict'}"
+        )
+    key = "prompt_token_ids" if "prompt_token_ids" in prompt else "prompt"
+    value = prompt[key]
+    if isinstance(value, str) != (key == "prompt"):  # (the ids' own type is checked by the caller)
+        what = "a string" if key == "prompt" else "a list of token ids"
+        raise TypeError(f"prompt {i}: {key!r} must be {what}; got {type(value).__name__}")
+    return value
+
+
+def _prompt_text(prompt: Prompt) -> str | None:
+    """RequestOutput.prompt: the prompt's text where it was given as text."""
+    if isinstance(prompt, Mapping):
+        prompt = prompt.get("prompt")
+    return prompt if isinstance(prompt, str) else None

@@ -6,8 +6,10 @@ names the offending parameter.
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from numbers import Real
 
 MAX_N = 16
 MAX_LOGPROBS = 20
@@ -42,6 +44,12 @@ class StructuredOutput:
     kind: str
     value: str
 
+    def __post_init__(self) -> None:
+        # vLLM's structured outputs take a schema as an object and the choices as a list: the
+        # same, as the JSON text the grammar engine reads (and caches by).
+        if isinstance(self.value, (dict, list)) and self.kind in ("json", "choice"):
+            object.__setattr__(self, "value", json.dumps(self.value))
+
 
 @dataclass
 class SamplingParams:
@@ -50,7 +58,8 @@ class SamplingParams:
     `temperature == 0` means greedy. `top_k <= 0` and `top_p == 1` disable those filters.
     `max_tokens=None` means "until the context is full". `logprobs=k` returns the sampled
     token's logprob plus the k most likely alternatives at each step. `logit_bias` adds a value
-    to a token's logit before sampling (token ids below the vocabulary size: the server checks).
+    to a token's logit before sampling (token ids below the vocabulary size:
+    `check_token_ids`, which `LLM.generate` runs; the server checks its own).
     `prompt_logprobs=k` scores the prompt too: for every prompt token after the first, its
     logprob given the tokens before it (raw log-softmax, float32) plus the k most likely tokens
     there. `max_tokens=0` generates nothing: the prompt is only run (and scored, if asked).
@@ -79,10 +88,6 @@ class SamplingParams:
     prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
         self.validate()
 
     @property
@@ -90,6 +95,16 @@ class SamplingParams:
         return self.temperature < 1e-5
 
     def validate(self) -> None:
+        """InvalidParamError naming the first parameter that is of the wrong type or out of
+        range. `stop` and `stop_token_ids` become lists here (a string for one stop string).
+        Run again after changing a field: `LLM.generate` does."""
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None or isinstance(self.stop, tuple):
+            self.stop = list(self.stop or [])
+        if self.stop_token_ids is None or isinstance(self.stop_token_ids, tuple):
+            self.stop_token_ids = list(self.stop_token_ids or [])
+        self._check_types()
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):  # fmt: skip
             if not math.isfinite(getattr(self, name)):
@@ -159,9 +174,63 @@ class SamplingParams:
         if any(not s for s in self.stop):
             raise InvalidParamError("stop", "stop strings must not be empty.")
         so = self.structured_output
-        if so is not None and (so.kind not in STRUCTURED_KINDS or not so.value):
+        if so is not None and (
+            so.kind not in STRUCTURED_KINDS or not isinstance(so.value, str) or not so.value
+        ):
             raise InvalidParamError(
                 "structured_output",
-                f"structured_output needs a kind in {', '.join(STRUCTURED_KINDS)} and a value; "
-                f"got {so.kind!r}.",
+                f"structured_output needs a kind in {', '.join(STRUCTURED_KINDS)} and a value "
+                f"(text; a json schema may be a dict); got {so.kind!r}: {so.value!r:.60}.",
             )
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """InvalidParamError naming `logit_bias` or `stop_token_ids` unless each id it holds is
+        below `vocab_size`: the sampler indexes the logits with them."""
+        for name, ids in (("logit_bias", self.logit_bias), ("stop_token_ids", self.stop_token_ids)):
+            bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                message = f"{name}: token ids must be in [0, {vocab_size}), got {bad}."
+                raise InvalidParamError(name, message)
+
+    def _check_types(self) -> None:
+        """Each field of the type its annotation names (an int is a float too, a bool is neither),
+        so that a value of another type is refused by name, not met deep in the engine step."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            kind, _, optional = f.type.partition(" | ")  # "int | None" (annotations are text)
+            if value is None and optional == "None":
+                continue
+            if kind in _TYPE_CHECKS and not _TYPE_CHECKS[kind](value):
+                a = _TYPE_WORDS[kind] + (" or None" if optional else "")
+                raise InvalidParamError(
+                    f.name, f"{f.name} must be {a}, got {type(value).__name__} {value!r:.40}."
+                )
+        if not (isinstance(self.stop, list) and all(isinstance(s, str) for s in self.stop)):
+            raise InvalidParamError("stop", "stop must be a string or a list of strings.")
+        if not (isinstance(self.stop_token_ids, list) and all(map(_is_int, self.stop_token_ids))):
+            raise InvalidParamError("stop_token_ids", "stop_token_ids must be a list of integers.")
+        if not (
+            isinstance(self.logit_bias, dict)
+            and all(_is_int(t) and _is_real(v) for t, v in self.logit_bias.items())
+        ):
+            raise InvalidParamError(
+                "logit_bias", "logit_bias must map token ids (integers) to numbers."
+            )
+        so = self.structured_output
+        if so is not None and not isinstance(so, StructuredOutput):
+            raise InvalidParamError(
+                "structured_output", "structured_output must be a StructuredOutput or None."
+            )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool)
+
+
+# SamplingParams' annotated scalar types: how to check a value, and how to say what it must be
+_TYPE_CHECKS = {"int": _is_int, "float": _is_real, "bool": lambda v: isinstance(v, bool)}
+_TYPE_WORDS = {"int": "an integer", "float": "a number", "bool": "True or False"}

@@ -35,6 +35,7 @@ from pydantic_core import PydanticCustomError
 
 from servelm.engine.sampling_params import INT64, MAX_LOGPROBS, MAX_N
 from servelm.server.errors import APIError
+from servelm.text.chat_messages import ROLES
 
 
 class OpenAIModel(BaseModel):
@@ -222,9 +223,6 @@ class SamplingFields(RequestBody):
     guided_regex: str | None = None
     guided_choice: list[str] | None = Field(None, min_length=1)
     guided_grammar: str | None = None
-
-
-ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class ChatMessage(OpenAIModel):

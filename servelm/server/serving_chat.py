@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from servelm.engine.outputs import Logprobs
 from servelm.server.errors import APIError
-from servelm.server.protocol import ROLES, ChatCompletionRequest, ChatMessage, TokenizeRequest
+from servelm.server.protocol import ChatCompletionRequest, ChatMessage, TokenizeRequest
 from servelm.server.serving import (
     OpenAIServing,
     cancel_on_disconnect,
@@ -30,43 +30,8 @@ from servelm.server.serving_tools import (
 )
 from servelm.server.sse import SSE_HEADERS
 from servelm.server.structured import checked_structure
-from servelm.text.chat_template import (
-    ChatTemplateError,
-    TemplateKwargsError,
-    with_template_roles,
-)
-from servelm.text.tool_prompt import prepare_messages
-
-
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """The messages as the chat template reads them (content as plain text), or a 400 naming
-    the first one servelm cannot carry: an unknown role, a part that is not text, no content."""
-    out = []
-    for i, m in enumerate(messages):
-        if m.role not in ROLES:
-            roles = ", ".join(ROLES)
-            message = f"messages.{i}.role must be one of {roles}; got {m.role!r}."
-            raise APIError(400, message, "messages")
-        if getattr(m, "function_call", None) is not None:  # the deprecated form of tool_calls
-            message = (
-                f"messages.{i}.function_call is the deprecated form of tool_calls; send tool_calls."
-            )
-            raise APIError(400, message, "messages")
-        if m.content is None and not (m.role == "assistant" and getattr(m, "tool_calls", None)):
-            # OpenAI: only an assistant message that makes tool calls may go without content.
-            message = f"messages.{i}.content is required for a {m.role!r} message."
-            raise APIError(400, message, "messages")
-        for part in m.content if isinstance(m.content, list) else ():
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                kind = part.get("type")
-                message = f"messages.{i}.content: only text parts are supported, got {kind!r}."
-                raise APIError(400, message, "messages")
-        d = m.model_dump(exclude_none=True)
-        if isinstance(m.content, list):  # text parts -> one text, a line apart as vLLM joins them
-            d["content"] = "\n".join(part["text"] for part in m.content)
-        d.setdefault("content", "")  # an assistant's tool calls alone: templates read it
-        out.append(d)
-    return out
+from servelm.text.chat_messages import prepare_chat
+from servelm.text.chat_template import ChatTemplateError, TemplateKwargsError
 
 
 class ServingChat(OpenAIServing):
@@ -91,11 +56,9 @@ class ServingChat(OpenAIServing):
         tool turns as `text/tool_prompt.py` writes them, `template_kwargs` (a request's
         `chat_template_kwargs`) as the template's own variables."""
         tools, parallel = (setup.tools, setup.parallel) if setup else (None, True)
-        template = self.tokenizer.chat_template_for(tools is not None)
-        msgs = with_template_roles(template_messages(messages), template)
-        special = self.tokenizer.special_tokens
-        msgs, tools = prepare_messages(msgs, tools, template, parallel, special)
-        try:
+        dumped = [m.model_dump(exclude_none=True) for m in messages]
+        try:  # (shared with LLM.chat; a message it cannot carry is a ChatTemplateError)
+            msgs, tools, template = prepare_chat(self.tokenizer, dumped, tools, parallel)
             return await self.encode_chat(
                 msgs,
                 add_generation_prompt,
