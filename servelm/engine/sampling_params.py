@@ -13,6 +13,9 @@ from numbers import Real
 
 MAX_N = 16
 MAX_LOGPROBS = 20
+# Each stop string is searched for after every token, in the API process's event loop: 300,000
+# of them held every other client's answer (and /health) for seconds. OpenAI takes 4.
+MAX_STOP = 64
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
 INT64 = (-(2**63), 2**63 - 1)  # the integers the engine's messages carry (msgpack int64)
 
@@ -173,6 +176,10 @@ class SamplingParams:
             raise InvalidParamError("stop_token_ids", "stop_token_ids must be token ids (>= 0).")
         if any(not s for s in self.stop):
             raise InvalidParamError("stop", "stop strings must not be empty.")
+        if len(self.stop) > MAX_STOP:
+            raise InvalidParamError(
+                "stop", f"at most {MAX_STOP} stop strings, got {len(self.stop)}."
+            )
         so = self.structured_output
         if so is not None and (
             so.kind not in STRUCTURED_KINDS or not isinstance(so.value, str) or not so.value

@@ -11,6 +11,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable
+from urllib.parse import quote
 
 from servelm.server.auth import OPEN_PATHS
 
@@ -80,7 +81,7 @@ class AccessMiddleware:
                     '%s "%s %s" %d %.3f s request_id=%s%s',
                     client[0],
                     scope["method"],
-                    scope["path"],
+                    quote(scope["path"]),  # as uvicorn logs it: "%0A" must not start a line
                     status,
                     time.perf_counter() - start,
                     request_id,

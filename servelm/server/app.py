@@ -57,6 +57,7 @@ def build_app(
 
     @app.get("/health", response_class=Response, responses=HEALTH)
     @app.get("/ping", response_class=Response, responses=HEALTH)
+    @app.head("/health", include_in_schema=False)  # load balancers that probe with HEAD
     async def health() -> Response:
         if state.engine.is_alive:
             return Response(status_code=200)

@@ -37,7 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-queued-requests",
         type=bounded_int(0),
         default=256,
-        help="requests waiting for a place in the running batch before new ones get 503",
+        help="sequences (each prompt x n of a request) waiting for a place in the running batch "
+        "before new requests get 503",
     )
     g.add_argument(
         "--max-request-bytes",

@@ -110,7 +110,10 @@ def install_error_handlers(app: FastAPI) -> None:
             if exc.status_code in HTTPStatus._value2member_map_
             else ""
         )
-        return error_response(exc.status_code, str(exc.detail or phrase), None)
+        # (a 405's `Allow` header says which methods the path takes: RFC 9110 requires it)
+        return error_response(
+            exc.status_code, str(exc.detail or phrase), None, headers=getattr(exc, "headers", None)
+        )
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

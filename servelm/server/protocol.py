@@ -171,7 +171,8 @@ def _unrepresentable(value: Any, path: tuple[str, ...] = ()) -> tuple[tuple[str,
     else:
         return None
     for key, item in items:
-        key_path = (*path, str(key))
+        # the key as it can be written back (escaped: it may hold the lone surrogate itself)
+        key_path = (*path, str(key).encode("utf-8", "backslashreplace").decode())
         found = _unrepresentable(key, key_path) if isinstance(key, str) else None
         found = found or _unrepresentable(item, key_path)
         if found:

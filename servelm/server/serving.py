@@ -106,17 +106,29 @@ class OpenAIServing:
         if name and name != self.state.model_name:
             raise APIError(404, f"The model `{name}` does not exist.", "model", "model_not_found")
 
-    def check_admission(self) -> None:
+    def check_admission(self, sequences: int = 1) -> None:
+        """503 unless the engine runs and the waiting queue has room for what of this request's
+        `sequences` (prompts x n, each a request of the engine's) would wait; 400 when they
+        could never all be taken (more than the batch and the whole queue hold)."""
         if not self.engine.is_alive:
             raise APIError(
                 503,
                 f"The engine is not running: {self.engine.dead_reason}.",
                 headers={"Retry-After": "5"},
             )
+        batch, queue_cap = self.engine.args.max_num_seqs, self.state.max_queued_requests
+        if sequences > batch + queue_cap:
+            raise APIError(
+                400,
+                f"This request makes {sequences} sequences (prompts x n); this server takes at "
+                f"most {batch + queue_cap} at once (--max-num-seqs + --max-queued-requests).",
+                "n",
+            )
         queued = self.num_queued()
-        # (with --max-queued-requests 0, refused only when it would have to wait)
-        would_wait = queued > 0 or self.state.in_flight >= self.engine.args.max_num_seqs
-        if would_wait and queued >= self.state.max_queued_requests:
+        # (with --max-queued-requests 0, refused only when some would have to wait)
+        room = max(0, batch - self.state.in_flight) if queued == 0 else 0
+        would_wait = max(0, sequences - room)
+        if would_wait and queued + would_wait > queue_cap:
             raise APIError(
                 503,
                 "The server is at capacity (waiting queue full); retry later.",
@@ -267,11 +279,13 @@ class OpenAIServing:
                 raise APIError(
                     400, f"logit_bias keys must be token ids, got {key!r}.", "logit_bias"
                 )
-            token = int(key)
-            if not 0 <= token < vocab:
+            if len(key) > len(str(vocab)) or not 0 <= int(key) < vocab:  # (int() of 5,000
+                # digits is Python's ValueError)
+                got = key if len(key) <= 20 else key[:20] + "..."
                 raise APIError(
-                    400, f"logit_bias token ids must be in [0, {vocab}), got {token}.", "logit_bias"
+                    400, f"logit_bias token ids must be in [0, {vocab}), got {got}.", "logit_bias"
                 )
+            token = int(key)
             bias[token] = value
         return bias
 

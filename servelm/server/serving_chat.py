@@ -102,7 +102,7 @@ class ServingChat(OpenAIServing):
             structure,
             prompt_logprobs=req.prompt_logprobs,
         )
-        self.check_admission()
+        self.check_admission(params.n)
         rid = new_id("chatcmpl", raw.scope)
         created = int(time.time())
         model = self.state.model_name

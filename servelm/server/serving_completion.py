@@ -71,6 +71,11 @@ class TextOffsets:
 
 class ServingCompletion(OpenAIServing):
     async def _prompts(self, prompt: Any) -> list[list[int]]:
+        # counted before any is tokenized: a million one-word prompts took seconds of the
+        # event loop to reach this 400
+        batch = isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
+        if batch and len(prompt) > MAX_PROMPTS:
+            raise APIError(400, f"at most {MAX_PROMPTS} prompts per request.", "prompt")
         if isinstance(prompt, str):
             prompts = [await self.encode(prompt)]
         elif prompt and all(isinstance(p, int) for p in prompt):
@@ -83,8 +88,6 @@ class ServingCompletion(OpenAIServing):
             raise APIError(
                 400, "prompt must be a string, a list of strings, or token ids.", "prompt"
             )
-        if len(prompts) > MAX_PROMPTS:
-            raise APIError(400, f"at most {MAX_PROMPTS} prompts per request.", "prompt")
         for ids in prompts:
             if not ids:
                 raise APIError(400, "prompt must not be empty.", "prompt")
@@ -100,6 +103,9 @@ class ServingCompletion(OpenAIServing):
             raise APIError(400, "suffix is not supported.", "suffix")
         if req.best_of is not None and req.best_of > req.n:
             raise APIError(400, "best_of is not supported: ask for n choices instead.", "best_of")
+        if req.best_of is not None and req.best_of < req.n:  # (OpenAI's and vLLM's rule)
+            message = f"best_of must be at least n ({req.n}), got {req.best_of}."
+            raise APIError(400, message, "best_of")
         prompts = await self._prompts(req.prompt)
         self.check_output_room(prompts, req.max_tokens)
         # the engine scores the prompt for echoed logprobs and for prompt_logprobs (the more of
@@ -115,7 +121,7 @@ class ServingCompletion(OpenAIServing):
             prompt_logprobs=max(asks) if asks else None,
             echo=req.echo,
         )
-        self.check_admission()
+        self.check_admission(len(prompts) * params.n)
         rid = new_id("cmpl", raw.scope)
         created = int(time.time())
         n = params.n

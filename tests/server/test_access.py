@@ -110,3 +110,16 @@ def test_a_routers_probe_is_not_a_clients_request(server):
     httpx.get(server.base_url + "/models", headers={"X-Request-Id": "client-1"}, timeout=30)
     assert len(log_lines(server.log, "client-1")) == 1
     assert log_lines(server.log, "probe-1", timeout=0) == []
+
+
+def test_a_path_cannot_write_a_line_of_its_own(server):
+    # "%0A" in a URL is a newline in the decoded path: logged as it came, any client (no key
+    # needed for a 404) could forge a whole access line
+    forged = '/x%0A1.2.3.4 "POST /v1/chat/completions" 200 0.1 s request_id=FORGED'
+    r = httpx.get(server.url + forged, headers={"X-Request-Id": "forger"}, timeout=30)
+    assert r.status_code == 404
+    [line] = log_lines(server.log, "forger")
+    assert "/x%0A1.2.3.4" in line
+    assert not any(line.startswith('1.2.3.4 "POST') for line in server.log().splitlines()), (
+        "the path started a line of its own"
+    )

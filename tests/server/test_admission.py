@@ -75,3 +75,34 @@ def test_no_waiting_queue_and_priorities_only_under_the_priority_policy(tiny_mod
         assert r.status_code == 200
     finally:
         by_priority.stop()
+
+
+def test_the_queue_counts_each_prompt_and_choice(tiny_model_dir, tmp_path):
+    """A request of p prompts x n choices is p*n sequences for the batch and the queue: one
+    request of 24 prompts x n=16 had filled a queue of 256 that it was admitted to empty."""
+    long_context = tmp_path / "tiny"
+    shutil.copytree(tiny_model_dir, long_context)
+    config = json.loads((long_context / "config.json").read_text())
+    (long_context / "config.json").write_text(
+        json.dumps({**config, "max_position_embeddings": 32768})
+    )
+    server = LiveServer(long_context, "--max-num-seqs", "2", "--max-queued-requests", "2")
+    try:
+        url = server.base_url + "/completions"
+
+        def post(**body):
+            return httpx.post(url, json={"prompt": "hi", "max_tokens": 2, **body}, timeout=120)
+
+        never = post(n=5)  # more than the batch and the queue hold: no retry can help
+        assert never.status_code == 400 and never.json()["error"]["param"] == "n"
+        assert post(prompt=["a", "b", "c"], n=2).status_code == 400
+        long = {"prompt": "hi", "max_tokens": 30000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url, json=long, timeout=120) as running:
+            lines = running.iter_lines()  # (kept: a dropped iterator closes the stream)
+            next(lines)  # 1 of the 2 places taken
+            full = post(n=4)  # 1 runs, 3 would wait: more than the queue's 2
+            assert full.status_code == 503 and full.json()["error"]["code"] == "queue_full"
+            assert post(prompt=["a", "b"], n=2).status_code == 503
+            assert post(n=3).status_code == 200  # 1 runs, 2 wait
+    finally:
+        server.stop()

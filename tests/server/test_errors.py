@@ -60,6 +60,13 @@ def test_invalid_values_are_400_naming_the_param(server, body, param):
         ("/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
         ("/completions", {"prompt": "hi", "suffix": "!"}, "suffix", "not supported"),
         ("/completions", {"prompt": "hi", "best_of": 3}, "best_of", "not supported"),
+        # hostile but well-formed bodies (QA round 3: each was a 500 or held the event loop)
+        ("/completions", {"prompt": "hi", "best_of": -5}, "best_of", "at least n"),
+        ("/completions", {"prompt": "hi", "n": 2, "best_of": 1}, "best_of", "at least n"),
+        ("/completions", {"prompt": "hi", "logit_bias": {"9" * 5000: 1}}, "logit_bias", "[0, "),
+        ("/completions", {"prompt": "hi", "stop": [f"s{i}" for i in range(300_000)]}, "stop",
+         "at most 64 stop strings"),
+        ("/completions", {"prompt": ["word"] * 1_000_000}, "prompt", "at most 64 prompts"),
         ("/chat/completions", {"messages": MSG, "response_format": {"type": "json_schema",
           "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
          "response_format", "invalid schema"),
@@ -90,6 +97,7 @@ def test_what_servelm_cannot_honour_or_carry_is_400(server, path, body, param, s
         (b'{"prompt": "\\ud800 and more"}', "prompt"),
         (b'{"prompt": ["fine", "x\\udfff"]}', "prompt"),
         (b'{"prompt": "hi", "stop": ["\\ud800"]}', "stop"),
+        (b'{"prompt": "hi", "logit_bias": {"\\ud800": 1}}', "logit_bias"),  # a key: was a 500
         (b'{"messages": [{"role": "user", "content": "\\udc00"}]}', "messages"),
     ],
 )
@@ -220,3 +228,11 @@ def test_full_queue_is_503_with_retry_after(tight_server):
     assert_error(rejected, 503)
     assert int(rejected.headers["retry-after"]) >= 1
     still_serving(tight_server)
+
+
+def test_a_wrong_method_says_which_are_allowed_and_load_balancers_may_probe_with_head(server):
+    r = httpx.delete(server.base_url + "/chat/completions", timeout=30)
+    assert_error(r, 405)
+    assert r.headers["allow"] == "POST"  # RFC 9110 requires it on a 405
+    head = httpx.head(server.url + "/health", timeout=30)
+    assert head.status_code == 200 and head.content == b""
