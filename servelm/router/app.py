@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -26,10 +27,12 @@ from servelm.router.config import FileWatcher, RouterConfig
 from servelm.router.health import HealthChecker
 from servelm.router.metrics import ChunkTimings, RouterMetrics
 from servelm.router.policies import POLICIES, LeastLoaded, PrefixAware, RoundRobin, RoutingPolicy
+from servelm.router.prefix import estimate_prompt_tokens
 from servelm.router.proxy import Proxy
 from servelm.router.ratelimit import Admission, ApiKey, RateLimited, RateLimiter
 from servelm.router.replicas import ReplicaSet, normalize_url, parse_replicas_file
 from servelm.server.access import AccessMiddleware
+from servelm.server.body_limit import BodyLimitMiddleware
 from servelm.server.errors import APIError, error_response
 
 logger = logging.getLogger("servelm.router")
@@ -145,14 +148,16 @@ class Router:
             raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
         if key is not None:
             try:
-                admission = self.limiter.admit(key, self.limiter.estimate_tokens(body))
+                estimate = self.limiter.estimate_tokens(request.url.path, body)
+                admission = self.limiter.admit(key, estimate)
             except RateLimited as exc:
                 self.metrics.rate_limited.labels(exc.key.name, exc.limit).inc()
                 raise APIError(429, exc.message, None, "rate_limit_exceeded", exc.headers) from None
 
-        def on_usage(total: int | None) -> None:
+        def on_usage(total: int | None, output_seen: int) -> None:
             if admission is not None:
-                self.limiter.settle(admission, total)
+                seen = estimate_prompt_tokens(body) + output_seen if output_seen else 0
+                self.limiter.settle(admission, total, seen)
 
         headers = dict(request.headers)
         if request.client is not None:
@@ -236,6 +241,12 @@ async def unless_disconnected(request: Request, work: Coroutine[Any, Any, Respon
     return task.result()
 
 
+async def http_error(_: Request, exc: HTTPException) -> Response:
+    """Starlette's own 404 / 405 (no route, wrong method), OpenAI-shaped as every other error;
+    its headers (a 405's Allow) kept."""
+    return error_response(exc.status_code, exc.detail, headers=exc.headers)
+
+
 def build_app(router: Router) -> Starlette:
     from servelm.router.admin import admin_routes
     from servelm.router.dashboard import RouterDashboard, dashboard_routes
@@ -250,10 +261,19 @@ def build_app(router: Router) -> Starlette:
         *admin_routes(router),
         *dashboard_routes(router, board),
     ]
-    # each request's id (the client's X-Request-Id or a new one) goes on to the replica and
-    # into the router's log line and the replica's
-    access = [Middleware(AccessMiddleware)]
-    app = Starlette(routes=routes, lifespan=router.lifespan, middleware=access)
+    middleware = [
+        # each request's id (the client's X-Request-Id or a new one) goes on to the replica and
+        # into the router's log line and the replica's
+        Middleware(AccessMiddleware),
+        # a body over the limit is refused before it is read, as by servelm serve
+        Middleware(BodyLimitMiddleware, limit=router.config.max_request_bytes),
+    ]
+    app = Starlette(
+        routes=routes,
+        lifespan=router.lifespan,
+        middleware=middleware,
+        exception_handlers={HTTPException: http_error},
+    )
     app.state.router = router
     app.state.dashboard = board  # (closed when the router starts to drain)
     return app

@@ -10,9 +10,10 @@ import argparse
 import logging
 import os
 
-from servelm.config import port_number
+from servelm.config import parse_size, port_number
 from servelm.router.config import RouterConfig
 from servelm.router.policies import POLICIES
+from servelm.server.body_limit import DEFAULT_MAX_REQUEST_BYTES
 
 
 def _weight(text: str) -> tuple[str, float]:
@@ -104,6 +105,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--api-keys-file", help="JSON API keys with rpm/tpm limits (see servelm.router.ratelimit)"
     )
     g.add_argument(
+        "--max-request-bytes",
+        type=parse_size,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="request bodies over this size get 413 before they are read (default 8MiB)",
+    )
+    g.add_argument(
         "--debug",
         action="store_true",
         help="add x-servelm-replica headers and record per-chunk timings",
@@ -128,6 +135,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         admin_key=args.admin_key,
         api_keys_file=args.api_keys_file,
         upstream_api_key=args.upstream_api_key,
+        max_request_bytes=args.max_request_bytes,
         health_interval_s=args.health_interval,
         health_timeout_s=args.health_timeout,
         failure_threshold=args.failure_threshold,

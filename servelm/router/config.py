@@ -10,6 +10,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from servelm.server.body_limit import DEFAULT_MAX_REQUEST_BYTES
+
 
 @dataclass
 class RouterConfig:
@@ -22,6 +24,7 @@ class RouterConfig:
     admin_key: str | None = None
     api_keys_file: str | None = None
     upstream_api_key: str | None = None  # sent to replicas that were started with --api-key
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger bodies: 413, never read
     # health and circuit breaker
     health_interval_s: float = 1.0
     health_timeout_s: float = 2.0

@@ -56,7 +56,8 @@ _DROP_RESPONSE = frozenset(
     }
 )
 
-UsageCallback = Callable[[int | None], None]
+# (the answer's usage total or None, output tokens seen streaming: a floor when usage is None)
+UsageCallback = Callable[[int | None, int], None]
 
 
 class Proxy:
@@ -131,7 +132,14 @@ class Proxy:
                     out_headers["x-servelm-replica"] = replica.url
                 if stream and upstream.status_code == 200:
                     response = await self._stream(
-                        replica, lease, upstream, out_headers, request_id, on_usage, strip_usage
+                        replica,
+                        lease,
+                        upstream,
+                        out_headers,
+                        request_id,
+                        on_usage,
+                        strip_usage,
+                        want_usage,
                     )
                     handed_over = True
                     return response
@@ -143,7 +151,7 @@ class Proxy:
                     lease.release()
                     if upstream is not None:
                         await upstream.aclose()
-        on_usage(0)  # nothing was generated: give the tokens back
+        on_usage(0, 0)  # nothing was generated: give the tokens back
         self.replicas.reap()
         self.metrics.requests.labels("none", str(failure.status if failure else 503)).inc()
         if failure is None:
@@ -217,7 +225,7 @@ class Proxy:
         lease.release()
         self.replicas.reap()
         self.metrics.requests.labels(replica.url, str(upstream.status_code)).inc()
-        on_usage(_usage_total(content) if upstream.status_code == 200 else 0)
+        on_usage(_usage_total(content) if upstream.status_code == 200 else 0, 0)
         return Response(content, upstream.status_code, headers)
 
     async def _stream(
@@ -229,6 +237,7 @@ class Proxy:
         request_id: str,
         on_usage: UsageCallback,
         strip_usage: bool,
+        count_output: bool,
     ) -> Response:
         events = sse_events(upstream.aiter_raw())
         try:  # an error here is still before the first byte: the caller retries
@@ -243,9 +252,9 @@ class Proxy:
             if state.error is not None:
                 self.metrics.stream_errors.labels(replica.url).inc()
                 self.health.report_failure(replica, state.error)
-            on_usage(state.usage_total)
+            on_usage(state.usage_total, state.output_seen)
 
-        state = StreamState(replica, lease, upstream, strip_usage, finish, times)
+        state = StreamState(replica, lease, upstream, strip_usage, finish, times, count_output)
         return RelayResponse(
             relay(first, events, state, self.metrics.forward_delay), state, headers
         )

@@ -2,9 +2,11 @@
 
 Each limit is a token bucket holding at most one minute's allowance and refilling continuously
 (a limit of 60 RPM gives one request back per second). Admission charges one request and an
-estimate of the tokens: prompt (about 4 characters a token) plus `n * max_tokens`; when the
-answer's `usage` arrives the charge is corrected to the real total, so a level can go below
-zero (a debt paid back by refill). Keys file (JSON):
+estimate of the tokens: prompt (about 4 characters a token) plus prompts x `n` x `max_tokens`
+(/tokenize and /detokenize generate nothing: they are charged no tokens). When the answer's
+`usage` arrives the charge is corrected to the real total, so a level can go below zero (a debt
+paid back by refill); a stream cut before its usage is charged at least what it delivered.
+No level ever goes above its limit. Keys file (JSON):
 
     {"default_max_tokens": 256,
      "keys": [{"key": "sk-team-a", "name": "team-a", "rpm": 600, "tpm": 100000}, ...]}
@@ -25,6 +27,24 @@ from typing import Any
 
 from servelm.router.prefix import estimate_prompt_tokens
 
+# counting tokens generates nothing (still one request against an rpm limit)
+UNMETERED = frozenset({"/tokenize", "/detokenize"})
+
+
+def _count(value: Any) -> int | None:
+    """`value` if it is an integer >= 0 (JSON's true is not one), else None."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return None
+
+
+def _prompt_count(prompt: Any) -> int:
+    """How many prompts a completions request holds: a list of strings or of token lists is a
+    batch, each prompt answered `n` times."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        return len(prompt)
+    return 1
+
 
 class Bucket:
     def __init__(self, per_minute: float, clock: Callable[[], float]) -> None:
@@ -38,6 +58,10 @@ class Bucket:
         now = self._clock()
         self.level = min(self.capacity, self.level + (now - self._stamp) * self.rate)
         self._stamp = now
+
+    def take(self, amount: float) -> None:
+        """Take `amount` (give it back when negative): never above the limit, debt allowed."""
+        self.level = min(self.capacity, self.level - amount)
 
     def wait_for(self, amount: float) -> float:
         """Seconds until `amount` is available (0 if it is now)."""
@@ -117,8 +141,11 @@ class RateLimiter:
 
     def load_file(self, path: str | Path) -> None:
         data = json.loads(Path(path).read_text())
+        default = _count(data.get("default_max_tokens", self.default_max_tokens))
+        if default is None:
+            raise ValueError(f"{path}: default_max_tokens must be an integer >= 0")
         self._from_file = True
-        self.default_max_tokens = int(data.get("default_max_tokens", self.default_max_tokens))
+        self.default_max_tokens = default
         self.load(
             [
                 ApiKey(str(k.get("name") or f"key-{i}"), str(k["key"]), k.get("rpm"), k.get("tpm"))
@@ -137,12 +164,23 @@ class RateLimiter:
                 found = key
         return found
 
-    def estimate_tokens(self, body: dict[str, Any]) -> int:
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
-        if not isinstance(max_tokens, int):
+    def estimate_tokens(self, path: str, body: dict[str, Any]) -> int:
+        """Tokens a request may use, read as the replica reads it (never negative): the body is
+        the client's and not yet checked, a value the replica would refuse counts as left out."""
+        if path in UNMETERED:
+            return 0
+        if path == "/v1/embeddings":
+            return estimate_prompt_tokens({"prompt": body.get("input")})
+        if path == "/v1/chat/completions":  # completions ignore max_completion_tokens
+            max_tokens = _count(body.get("max_completion_tokens") or body.get("max_tokens"))
+            prompts = 1
+        else:
+            max_tokens = _count(body.get("max_tokens"))
+            prompts = _prompt_count(body.get("prompt"))
+        if max_tokens is None:
             max_tokens = self.default_max_tokens
-        n = body.get("n") if isinstance(body.get("n"), int) else 1
-        return estimate_prompt_tokens(body) + max(1, n) * max_tokens
+        n = _count(body.get("n")) or 1
+        return estimate_prompt_tokens(body) + prompts * n * max_tokens
 
     def admit(self, key: ApiKey, tokens: int) -> Admission:
         """Charge one request and `tokens`; raise RateLimited (nothing charged) if over a limit."""
@@ -154,7 +192,7 @@ class RateLimiter:
                 key,
                 "tokens",
                 f"Request too large for key {key.name}: about {tokens} "
-                f"tokens, limit {key.tpm:g} tokens per minute. Lower max_tokens.",
+                f"tokens, limit {key.tpm:g} tokens per minute. Lower max_tokens (or n, or the prompts per request).",
                 60.0,
                 self.headers(key),
             )
@@ -166,7 +204,7 @@ class RateLimiter:
                 key.requests.wait_for(1),
                 self.headers(key),
             )
-        if key.tokens is not None and key.tokens.level < tokens:
+        if key.tokens is not None and tokens > 0 and key.tokens.level < tokens:  # 0: in debt too
             raise RateLimited(
                 key,
                 "tokens",
@@ -177,18 +215,22 @@ class RateLimiter:
                 self.headers(key),
             )
         if key.requests is not None:
-            key.requests.level -= 1
+            key.requests.take(1)
         if key.tokens is not None:
-            key.tokens.level -= tokens
+            key.tokens.take(tokens)
         return Admission(key, tokens, self.headers(key))
 
-    def settle(self, admission: Admission, actual_tokens: int | None) -> None:
-        """Replace the admission estimate with the real usage (None: keep the estimate)."""
+    def settle(self, admission: Admission, actual_tokens: int | None, seen_tokens: int = 0) -> None:
+        """Replace the admission estimate with the real usage. Without one (a stream the client
+        cut before its usage chunk) the estimate stays, or `seen_tokens` (what was delivered)
+        where that is more: an estimate too low must not be a way around the limit."""
         b = admission.key.tokens
-        if b is None or actual_tokens is None:
+        if b is None or (actual_tokens is None and seen_tokens <= admission.charged):
             return
+        if actual_tokens is None:
+            actual_tokens = seen_tokens
         b.refill()
-        b.level = min(b.capacity, b.level + admission.charged - actual_tokens)
+        b.take(actual_tokens - admission.charged)
         admission.charged = actual_tokens
 
     def headers(self, key: ApiKey) -> dict[str, str]:

@@ -38,7 +38,9 @@ class StreamState:
     strip_usage: bool  # drop the usage-only chunk (the router asked for it, not the client)
     finish: Callable[[StreamState], None]  # bookkeeping once the stream is over, however it ends
     times: list[float] | None = None
+    count_output: bool = False  # count output_seen (for a rate limit: parses every event)
     usage_total: int | None = None
+    output_seen: int = 0  # choices with output passed on, each at least one token
     done_seen: bool = False
     error: str | None = None
     outcome: str = field(default="client_closed")  # -> "200" or "stream_error"
@@ -83,19 +85,32 @@ def _data(event: bytes) -> bytes:
     return b"\n".join(lines)
 
 
+def _has_output(choice: object) -> bool:
+    """A completions choice with text, or a chat choice whose delta holds more than its role."""
+    if not isinstance(choice, dict):
+        return False
+    delta = choice.get("delta")
+    if isinstance(delta, dict):
+        return any(v for k, v in delta.items() if k != "role")
+    return bool(choice.get("text"))
+
+
 def _pass_through(events: list[bytes], state: StreamState) -> bytes:
     keep = []
     for ev in events:
         data = _data(ev)
         if data.strip() == b"[DONE]":
             state.done_seen = True
-        elif b'"usage"' in data:
+        elif state.count_output or b'"usage"' in data:
             try:
                 obj = json.loads(data)
+                choices = obj.get("choices")
+                if state.count_output and isinstance(choices, list):
+                    state.output_seen += sum(_has_output(c) for c in choices)
                 usage = obj.get("usage")
                 if isinstance(usage, dict) and usage.get("total_tokens") is not None:
                     state.usage_total = int(usage["total_tokens"])
-                    if state.strip_usage and not obj.get("choices"):
+                    if state.strip_usage and not choices:
                         continue
             except (ValueError, AttributeError, TypeError):
                 pass

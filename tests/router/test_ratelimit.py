@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import re
+import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
 from servelm.router.ratelimit import ApiKey, RateLimited, RateLimiter, format_duration
-from tests.router.conftest import MODEL, Proc, router
+from tests.router.conftest import MODEL, Proc, router, wait_for
 
 
 class Clock:
@@ -28,7 +31,7 @@ def test_buckets_refill_and_usage_corrects_the_charge() -> None:
     key = limiter.authenticate("Bearer sk-a")
     assert key is not None and limiter.authenticate("Bearer nope") is None
     body = {"prompt": "x" * 400, "max_tokens": 500}  # about 100 + 500 tokens
-    assert limiter.estimate_tokens(body) == 600
+    assert limiter.estimate_tokens("/v1/completions", body) == 600
     adm = limiter.admit(key, 600)
     assert adm.headers["x-ratelimit-remaining-tokens"] == "400"
     assert adm.headers["x-ratelimit-remaining-requests"] == "1"
@@ -86,6 +89,53 @@ def test_a_keys_file_without_keys_locks_everyone_out(tmp_path: Path) -> None:
         RateLimiter().load_file(tmp_path / "missing.json")
 
 
+def test_estimates_read_the_body_as_the_replica_does_and_are_never_negative() -> None:
+    limiter = RateLimiter(default_max_tokens=100)
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    prompt = limiter.estimate_tokens("/v1/chat/completions", {**chat, "max_tokens": 0})
+    for path, body, output in [
+        # completions ignore max_completion_tokens; chat reads it before max_tokens
+        ("/v1/completions", {"max_tokens": 7, "max_completion_tokens": -(10**9)}, 7),
+        ("/v1/chat/completions", {**chat, "max_completion_tokens": 9, "max_tokens": 7}, 9),
+        # a value the replica would refuse counts as left out: the default
+        ("/v1/chat/completions", {**chat, "max_completion_tokens": -(10**9)}, 100),
+        ("/v1/chat/completions", {**chat, "max_tokens": -5}, 100),
+        ("/v1/chat/completions", {**chat, "max_tokens": True}, 100),
+        ("/v1/chat/completions", {**chat, "max_tokens": 2.5}, 100),
+        ("/v1/chat/completions", {**chat, "max_tokens": "50"}, 100),
+        ("/v1/chat/completions", {**chat, "max_tokens": 7, "n": -3}, 7),
+        ("/v1/chat/completions", {**chat, "max_tokens": 7, "n": 3}, 21),
+    ]:
+        body = body if "messages" in body else {"messages": chat["messages"], **body}
+        assert limiter.estimate_tokens(path, body) == prompt + output, body
+    # a completions batch: every prompt, n times each
+    batch = {"prompt": ["abcd"] * 32, "n": 8, "max_tokens": 40}
+    assert limiter.estimate_tokens("/v1/completions", batch) == 32 + 32 * 8 * 40
+    ids = {"prompt": [[1, 2], [3, 4, 5]], "max_tokens": 10}
+    assert limiter.estimate_tokens("/v1/completions", ids) == 5 + 2 * 10
+    assert limiter.estimate_tokens("/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 1}) == 4
+    # counting tokens generates nothing
+    assert limiter.estimate_tokens("/tokenize", {"prompt": "x" * 400, "max_tokens": 9}) == 0
+    assert limiter.estimate_tokens("/detokenize", {"tokens": [1, 2, 3]}) == 0
+
+
+def test_a_cut_stream_pays_what_it_got_and_no_bucket_goes_above_its_limit() -> None:
+    clock = Clock()
+    limiter = RateLimiter([ApiKey("a", "sk-a", rpm=2, tpm=600)], clock=clock)
+    key = limiter.authenticate("Bearer sk-a")
+    adm = limiter.admit(key, 100)
+    limiter.settle(adm, None, 50)  # less seen than estimated, no usage: the estimate stays
+    assert key.tokens.level == 500
+    limiter.settle(adm, None, 900)  # more streamed than estimated: charged what was seen
+    assert key.tokens.level == -300
+    limiter.admit(key, 0)  # in debt, a request of no tokens (/tokenize) still passes ...
+    with pytest.raises(RateLimited) as exc:  # ... as long as the rpm limit allows it
+        limiter.admit(key, 0)
+    assert exc.value.limit == "requests"
+    limiter.settle(adm, -(10**9))  # whatever comes back, a bucket holds at most its limit
+    assert key.tokens.level == 600
+
+
 def test_format_duration_matches_openai() -> None:
     assert [format_duration(s) for s in (0.02, 1.5, 59.0, 360.0)] == ["20ms", "1.5s", "59s", "6m0s"]
 
@@ -96,10 +146,16 @@ def gated(cluster: list[Proc], log_dir: Path, tmp_path_factory: pytest.TempPathF
     keys.write_text(
         json.dumps(
             {
+                "default_max_tokens": 16,
                 "keys": [
                     {"key": "sk-small", "name": "small", "rpm": 100, "tpm": 600},
                     {"key": "sk-big", "name": "big", "rpm": 1000, "tpm": 1_000_000},
-                ]
+                    # one key per test below, each starting full
+                    {"key": "sk-neg", "name": "neg", "tpm": 600},
+                    {"key": "sk-batch", "name": "batch", "tpm": 600},
+                    {"key": "sk-cut", "name": "cut", "tpm": 300},
+                    {"key": "sk-tok", "name": "tok", "rpm": 8, "tpm": 100},
+                ],
             }
         )
     )
@@ -142,3 +198,94 @@ def test_missing_or_unknown_key_is_401(gated: Proc) -> None:
     with pytest.raises(openai.AuthenticationError):
         client(gated, "sk-wrong").models.list()
     assert [m.id for m in client(gated, "sk-big").models.list()] == [MODEL]
+
+
+def remaining_tokens(r: Proc, key: str) -> int:
+    """The key's tokens left, read from a /tokenize answer (which is charged none)."""
+    resp = httpx.post(
+        r.url + "/tokenize", headers={"Authorization": f"Bearer {key}"}, json={"prompt": "x"}
+    )
+    assert resp.status_code == 200, resp.text
+    return int(resp.headers["x-ratelimit-remaining-tokens"])
+
+
+def test_a_negative_max_completion_tokens_credits_nothing(gated: Proc) -> None:
+    auth = {"Authorization": "Bearer sk-neg"}
+    http = httpx.Client(base_url=gated.url, headers=auth, timeout=60)
+
+    def stream(max_tokens: int) -> httpx.Response:
+        ask = {"prompt": "x", "max_tokens": max_tokens, "stream": True}
+        ask["max_completion_tokens"] = -(10**9)  # completions ignore it (a chat request: 400)
+        return http.send(http.build_request("POST", "/v1/completions", json=ask), stream=True)
+
+    with http:
+        first = stream(200)  # 600 - (1 + 200) left while it runs
+        try:
+            assert first.status_code == 200
+            assert 380 <= int(first.headers["x-ratelimit-remaining-tokens"]) <= 400
+            second = stream(500)  # more than is left: refused, whatever max_completion_tokens says
+            second.close()
+            assert second.status_code == 429
+            assert int(second.headers["x-ratelimit-remaining-tokens"]) <= 400
+        finally:
+            first.close()
+    chat = httpx.post(
+        gated.url + "/v1/chat/completions",
+        headers=auth,
+        json={"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -(10**9)},
+    )
+    assert chat.status_code == 400  # the replica's refusal; charged nothing, credited nothing
+    assert int(chat.headers["x-ratelimit-remaining-tokens"]) <= 600
+    assert remaining_tokens(gated, "sk-neg") <= 600
+
+
+def test_a_batch_is_estimated_per_prompt_and_choice(gated: Proc) -> None:
+    with pytest.raises(openai.RateLimitError, match="too large") as exc:
+        client(gated, "sk-batch").completions.create(
+            model=MODEL,
+            prompt=[f"Item {i}:" for i in range(32)],
+            n=8,
+            max_tokens=40,
+            extra_body={"ignore_eos": True},
+        )
+    estimate = re.search(r"about (\d+) tokens", str(exc.value))
+    assert estimate and int(estimate.group(1)) >= 32 * 8 * 40
+
+
+def test_a_stream_cut_before_its_usage_pays_for_what_it_delivered(gated: Proc) -> None:
+    # a chat without max_tokens is estimated at default_max_tokens (16) but runs to the end
+    # of the context: the client takes 200 chunks and hangs up before the usage chunk
+    raw = client(gated, "sk-cut").chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "go"}],
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    admitted, t0 = int(raw.headers["x-ratelimit-remaining-tokens"]), time.monotonic()
+    assert admitted > 250  # 300 less the estimate
+    stream, got = raw.parse(), 0
+    for chunk in stream:
+        got += bool(chunk.choices and chunk.choices[0].delta.content)
+        if got == 200:
+            break
+    stream.close()
+    # charged at least the 200 tokens seen: less what refilled since (5 tokens a second),
+    # the key is more than 150 below where admission left it
+    wait_for(
+        lambda: remaining_tokens(gated, "sk-cut") - 5 * (time.monotonic() - t0) < admitted - 150,
+        10,
+        "the cut stream's charge",
+    )
+
+
+def test_tokenize_and_detokenize_are_charged_requests_not_tokens(gated: Proc) -> None:
+    auth = {"Authorization": "Bearer sk-tok"}
+    for i in range(8):  # the rpm limit's 8 requests, far more than 100 tokens' worth of prompts
+        path, body = (
+            ("/tokenize", {"prompt": "y" * 300}) if i % 2 else ("/detokenize", {"tokens": [1, 2]})
+        )
+        resp = httpx.post(gated.url + path, headers=auth, json=body)
+        assert resp.status_code == 200, (i, resp.text)
+        assert resp.headers["x-ratelimit-remaining-tokens"] == "100"
+    resp = httpx.post(gated.url + "/tokenize", headers=auth, json={"prompt": "y"})
+    assert resp.status_code == 429 and "requests per minute" in resp.json()["error"]["message"]
