@@ -58,7 +58,9 @@ class ServingChat(OpenAIServing):
         tools, parallel = (setup.tools, setup.parallel) if setup else (None, True)
         dumped = [m.model_dump(exclude_none=True) for m in messages]
         try:  # (shared with LLM.chat; a message it cannot carry is a ChatTemplateError)
-            msgs, tools, template = prepare_chat(self.tokenizer, dumped, tools, parallel)
+            msgs, tools, template = prepare_chat(
+                self.tokenizer, dumped, tools, parallel, self.tool_parser
+            )
             return await self.encode_chat(
                 msgs,
                 add_generation_prompt,
@@ -94,7 +96,7 @@ class ServingChat(OpenAIServing):
         if max_tokens is None:  # a chat answer runs to its end (OpenAI, vLLM), not 16 tokens
             max_tokens = self.state.max_model_len - len(prompt_ids)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        structure = await constrain(tools, await checked_structure(req))
+        structure = await constrain(tools, await checked_structure(req, self.tokenizer))
         params = self.sampling_params(
             req,
             max_tokens,

@@ -117,7 +117,7 @@ class ServingCompletion(OpenAIServing):
             req,
             req.max_tokens,
             req.logprobs,
-            await checked_structure(req),
+            await checked_structure(req, self.tokenizer),
             prompt_logprobs=max(asks) if asks else None,
             echo=req.echo,
         )

@@ -8,6 +8,7 @@ Hermes calls of the request's tools, arguments valid for each tool's parameter s
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections.abc import AsyncIterator
@@ -17,8 +18,8 @@ from typing import Any
 from servelm.engine.output_processor import TextDelta
 from servelm.engine.sampling_params import StructuredOutput
 from servelm.server.errors import APIError
-from servelm.server.structured import check_structure
-from servelm.structured.grammar import bound_integers, rebase_refs
+from servelm.server.structured import structure_error
+from servelm.structured.grammar import bound_numbers, rebase_refs
 from servelm.text import tool_parsers
 from servelm.text.tool_prompt import template_handles_tools
 
@@ -46,7 +47,7 @@ class ToolSetup:
 
 def server_parser(chosen: str | None, chat_template: str | None) -> str:
     """The parser a server uses: `--tool-call-parser`, else the format the model's template
-    asks for, else hermes (the format of servelm's own tool prompt)."""
+    asks for, else hermes (servelm's own tool prompt asks for the parser's format)."""
     if chosen:
         return chosen
     if not template_handles_tools(chat_template):
@@ -65,8 +66,16 @@ def _tool_names(tools: list[Any]) -> list[str]:
         if not _NAME.match(fn["name"]):
             message = f"tools.{i}.function.name must be 1-64 letters, digits, _ . or -."
             raise APIError(400, message, "tools")
-        if not isinstance(fn.get("parameters", {}), dict):
+        params = fn.get("parameters", {})
+        if not isinstance(params, dict):
             raise APIError(400, f"tools.{i}.function.parameters must be an object.", "tools")
+        # (OpenAI's rule too: arguments are named, `{"type": "string"}` has no JSON object)
+        if params.get("type", "object") not in ("object", ["object"]):
+            message = (
+                f"tools.{i}.function.parameters must be a JSON schema of type 'object' "
+                f"(arguments by name); got type {params['type']!r}."
+            )
+            raise APIError(400, message, "tools")
         names.append(fn["name"])
     return names
 
@@ -123,8 +132,8 @@ def tool_grammar(tools: list[dict[str, Any]], only: str | None, parallel: bool) 
         if only is None or fn["name"] == only:
             # Each tool's parameters live at #/$defs/tool_i, their own refs rebased there:
             # pydantic's schemas point at their root's $defs, which is no longer the root.
-            params = fn.get("parameters", NO_PARAMETERS)
-            defs[f"tool_{i}"] = rebase_refs(params or {"type": "object"}, f"#/$defs/tool_{i}")
+            params = {"type": "object", **fn.get("parameters", NO_PARAMETERS)}
+            defs[f"tool_{i}"] = rebase_refs(params, f"#/$defs/tool_{i}")
             properties = {
                 "name": {"const": fn["name"]},  # first: a stream names the call early
                 "arguments": {"$ref": f"#/$defs/tool_{i}"},
@@ -138,7 +147,7 @@ def tool_grammar(tools: list[dict[str, Any]], only: str | None, parallel: bool) 
                 }
             )
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    schema = bound_integers({"x-guidance": _JSON_STYLE, "$defs": defs, **schema})
+    schema = bound_numbers({"x-guidance": _JSON_STYLE, "$defs": defs, **schema})
     body = json.dumps(schema, ensure_ascii=False)
     start = 'start: call ("\\n" call)*' if parallel else "start: call"
     return f'{start}\ncall: "<tool_call>\\n" body "\\n</tool_call>"\nbody: %json {body}\n'
@@ -147,9 +156,15 @@ def tool_grammar(tools: list[dict[str, Any]], only: str | None, parallel: bool) 
 async def constrain(
     setup: ToolSetup | None, asked: StructuredOutput | None
 ) -> StructuredOutput | None:
-    """The structured output of a request: a forced tool call's grammar (checked to compile,
-    a 400 naming `tools` if a parameter schema does not), or what the request asked."""
-    if setup is None or not setup.forced:
+    """The structured output of a request: a forced tool call's grammar, or what the request
+    asked. Every tool's parameter schema is checked to compile first, whatever `tool_choice`
+    (a 400 naming it): as OpenAI refuses a schema up front, not only when a call is forced."""
+    if setup is None:
+        return asked
+    error = await asyncio.to_thread(_parameters_error, setup.tools or [])
+    if error:
+        raise APIError(400, error, "tools")
+    if not setup.forced:
         return asked
     if asked is not None:
         message = (
@@ -157,8 +172,23 @@ async def constrain(
         )
         raise APIError(400, message, "tool_choice")
     spec = StructuredOutput("grammar", tool_grammar(setup.tools or [], setup.only, setup.parallel))
-    await check_structure(spec, "tools")
+    error = await asyncio.to_thread(structure_error, spec)
+    if error:  # (each schema compiles: the grammar's first line says what is left)
+        raise APIError(400, f"tools: invalid grammar: {error.splitlines()[0]}", "tools")
     return spec
+
+
+def _parameters_error(tools: list[dict[str, Any]]) -> str | None:
+    """Why the first tool whose parameter schema does not compile is refused, in one line (the
+    grammar engine's message, not its grammar); on a worker thread, cached by the schema."""
+    for i, tool in enumerate(tools):
+        params = tool["function"].get("parameters")
+        if params:
+            error = structure_error(StructuredOutput("json", json.dumps(params)))
+            if error:
+                reason = error.strip().splitlines()[0]
+                return f"tools.{i}.function.parameters: invalid schema: {reason}"
+    return None
 
 
 def message_of(text: str, setup: ToolSetup | None) -> tuple[dict[str, Any], bool]:

@@ -5,17 +5,26 @@ OpenAI's `response_format` (`json_object`, `json_schema`), vLLM's `structured_ou
 `regex`, `choice`, `grammar`, `json_object`) and its older `guided_json`, `guided_regex`,
 `guided_choice`, `guided_grammar`: at most one of them per request. The check compiles the
 grammar on a worker thread (cached by its text), so the event loop keeps streaming meanwhile;
-the grammar engine is imported on the first request that asks for structure.
+the grammar engine is imported on the first request that asks for structure. Given the
+model's tokenizer it compiles against the vocabulary, as the engine will (the special tokens
+and token ids a grammar names exist): llguidance's view of it is built on that first request
+(0.2 s for 49k tokens), from the same tokenizer.json. Its width is the tokenizer's, where the
+engine's is the logits' (often padded wider): a token id in the padding, which no text has,
+is refused here.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
 
 from servelm.engine.sampling_params import StructuredOutput
 from servelm.server.errors import APIError
+
+if TYPE_CHECKING:
+    from servelm.text.tokenizer import TextTokenizer
 
 ANY_JSON_OBJECT = '{"type": "object"}'
 GUIDED = {
@@ -49,23 +58,43 @@ def requested_structure(req: Any) -> tuple[StructuredOutput, str] | None:
     return found[0] if found else None
 
 
-async def checked_structure(req: Any) -> StructuredOutput | None:
-    """The structured output `req` asks for, once it is known to compile (else a 400)."""
+async def checked_structure(
+    req: Any, tokenizer: TextTokenizer | None = None
+) -> StructuredOutput | None:
+    """The structured output `req` asks for, once it is known to compile (else a 400), against
+    `tokenizer`'s vocabulary where given."""
     found = requested_structure(req)
     if found is None:
         return None
-    await check_structure(*found)
+    await check_structure(*found, tokenizer=tokenizer)
     return found[0]
 
 
-async def check_structure(spec: StructuredOutput, param: str) -> None:
-    """A 400 naming `param` when the grammar engine cannot compile `spec`."""
-    from servelm.structured.grammar import compile_error
-
-    error = await asyncio.to_thread(compile_error, spec)
+async def check_structure(
+    spec: StructuredOutput, param: str, tokenizer: TextTokenizer | None = None
+) -> None:
+    """A 400 naming `param` when the grammar engine cannot compile `spec` (for `tokenizer`)."""
+    error = await asyncio.to_thread(structure_error, spec, tokenizer)
     if error:
         what = {"json": "schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
         raise APIError(400, f"{param}: invalid {what[spec.kind]}: {error}", param)
+
+
+def structure_error(spec: StructuredOutput, tokenizer: TextTokenizer | None = None) -> str | None:
+    """Why `spec` does not compile (for `tokenizer`), or None; on a worker thread."""
+    from servelm.structured.grammar import compile_error
+
+    return compile_error(spec, _grammar_tokenizer(tokenizer) if tokenizer else None)
+
+
+@lru_cache(maxsize=4)
+def _grammar_tokenizer(tokenizer: TextTokenizer) -> Any:
+    """llguidance's view of `tokenizer`, as the engine builds it (its end-of-sequence ids are
+    those every request of this model ends with)."""
+    from servelm.structured.grammar import grammar_tokenizer
+
+    text = tokenizer.tokenizer.to_str()  # tokenizer.json's content
+    return grammar_tokenizer(text, tokenizer.vocab_size, tokenizer.eos_token_ids)
 
 
 def _spec(kind: str, value: Any, param: str) -> StructuredOutput:
@@ -107,6 +136,11 @@ def _structured_outputs(value: Any) -> StructuredOutput:
     param = "structured_outputs"
     if not isinstance(value, dict):
         raise APIError(400, f"{param} must be an object.", param)
+    # vLLM's: whether to refuse rather than fall back to another grammar backend; servelm has
+    # one backend, so either way the answer is the same
+    if not isinstance(value.get("disable_fallback", False), (bool, type(None))):
+        raise APIError(400, f"{param}.disable_fallback must be true or false.", param)
+    value = {k: v for k, v in value.items() if k != "disable_fallback"}
     asked = {k: v for k, v in value.items() if v is not None and v is not False}
     unknown = sorted(set(asked) - {*STRUCTURED_KEYS, "json_object"})
     if unknown:

@@ -58,10 +58,10 @@ class GrammarCompiler:
     def _tokenizer(self, eos: tuple[int, ...]) -> Any:
         tokenizer = self._tokenizers.get(eos)
         if tokenizer is None:
-            from llguidance import LLTokenizer
+            from servelm.structured.grammar import grammar_tokenizer
 
             text = self.tokenizer_file.read_text()
-            tokenizer = LLTokenizer(text, n_vocab=self.vocab_size, eos_token=list(eos) or None)
+            tokenizer = grammar_tokenizer(text, self.vocab_size, eos)
             self._tokenizers[eos] = tokenizer
         return tokenizer
 

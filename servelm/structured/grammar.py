@@ -5,16 +5,27 @@ regular expressions and Lark grammars (GBNF converted), in a 3 MB wheel with no 
 where xgrammar 0.2 needs transformers and triton at run time. It is imported on the first
 request that asks for structure, so start-up and import time stay as they are without one.
 
-JSON is written with `json.dumps`' separators (`", "` and `": "`) and no other whitespace, and an
-integer a schema leaves unbounded is held to JSON's interoperable range (+-(2**53 - 1), RFC
-7493): a model can neither emit whitespace nor repeat a digit until `max_tokens` (a small model
-greedily writing a population does, `1111...`).
+JSON is written with `json.dumps`' separators (`", "` and `": "`) and no other whitespace, and
+the numbers a schema describes are held to a bounded number of digits, so that a model can
+neither emit whitespace nor repeat a digit until `max_tokens` (a small model greedily writing a
+population does, `1111...`; writing pi, `3.14159...` on and on):
+
+- an integer or number left unbounded is held to JSON's interoperable range, +-(2**53 - 1)
+  (RFC 7493): 16 digits at most before the point;
+- a number without its own `multipleOf` gets `multipleOf: 1e-10` (NUMBER_STEP): 10 digits at
+  most after the point (the finest step llguidance reads exactly: it reads `multipleOf` as a
+  double, and 1e-11 is not one). So such a number is a plain decimal, no exponent (llguidance
+  allows none in a bounded number); a value under 1e-10 can only be written as 0, and a small
+  one keeps fewer significant digits than a double holds (17, from 1e6 up).
+
+A number inside a value the schema does not describe (`{"type": "object"}`'s properties) is
+not bounded.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -25,6 +36,8 @@ SAFE_INTEGER = 2**53 - 1
 # Past a bound beyond SAFE_INTEGER: under int64's limit, and exact as a double, which llguidance
 # reads bounds as (-(2**63 - 2) becomes -2**63 there, and is refused)
 FAR_INTEGER = 9 * 10**18
+# The step of a number whose schema sets none: 10 digits after the point at most
+NUMBER_STEP = 1e-10
 
 
 def to_grammar(spec: StructuredOutput) -> str:
@@ -39,7 +52,7 @@ def to_grammar(spec: StructuredOutput) -> str:
             raise ValueError(f"the schema is not valid JSON: {exc}") from None
         if not isinstance(schema, (dict, bool)):
             raise ValueError("a JSON schema is an object (or true / false)")
-        return LLMatcher.grammar_from_json_schema(bound_integers(schema), defaults=JSON_OPTIONS)
+        return LLMatcher.grammar_from_json_schema(bound_numbers(schema), defaults=JSON_OPTIONS)
     if spec.kind == "regex":
         return LLMatcher.grammar_from_regex(ascii_classes(spec.value))
     if spec.kind == "choice":
@@ -93,42 +106,61 @@ def ascii_classes(regex: str) -> str:
     return "".join(out)
 
 
+# Keywords whose values are maps of name -> schema: their keys are names, never keywords (a
+# property may be called "default", "enum" or "type"). (A `dependencies` value may also be a
+# list of names: left as it is.)
+_SCHEMA_MAPS = frozenset(
+    {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies"}
+)
 # Keywords whose values are JSON values, not schemas: left as they are (a const object keeps
 # its keys; a "$ref" inside one is text).
 _LITERALS = frozenset({"const", "enum", "default", "examples"})
 
 
 def _each_schema(schema: Any, node: Callable[[dict[str, Any]], None]) -> Any:
-    """A copy of `schema` with `node` applied to every object in it, innermost first, values
-    under _LITERALS left as they are."""
+    """A copy of `schema` with `node` applied to every schema in it, innermost first: walked by
+    keyword (the values of a name -> schema map are schemas, its keys names; values under
+    _LITERALS left as they are; any other object or list looked into for schemas)."""
     if isinstance(schema, list):
         return [_each_schema(item, node) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: v if k in _LITERALS else _each_schema(v, node) for k, v in schema.items()}
+    out = {}
+    for key, value in schema.items():
+        if key in _LITERALS:
+            out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: _each_schema(sub, node) for name, sub in value.items()}
+        else:
+            out[key] = _each_schema(value, node)
     node(out)
     return out
 
 
-def bound_integers(schema: Any) -> Any:
-    """`schema` with every integer that has no lower (upper) bound given one at -+SAFE_INTEGER,
-    or at FAR_INTEGER where its other bound lies beyond that (a timestamp in nanoseconds)."""
+def bound_numbers(schema: Any) -> Any:
+    """`schema` with every integer and number that has no lower (upper) bound given one at
+    -+SAFE_INTEGER, or at FAR_INTEGER where its other bound lies beyond that (a timestamp in
+    nanoseconds), and every number without a `multipleOf` held to NUMBER_STEP."""
     return _each_schema(schema, _bound)
 
 
 def _bound(node: dict[str, Any]) -> None:
     kind = node.get("type")
-    if kind == "integer" or (isinstance(kind, list) and "integer" in kind and "number" not in kind):
-        low = node.get("minimum", node.get("exclusiveMinimum"))
-        high = node.get("maximum", node.get("exclusiveMaximum"))
-        if low is None and (cap := _cap(high, -1)) is not None:
-            node["minimum"] = cap
-        if high is None and (cap := _cap(low, 1)) is not None:
-            node["maximum"] = cap
+    kinds = kind if isinstance(kind, list) else [kind]
+    if ("integer" not in kinds and "number" not in kinds) or "enum" in node or "const" in node:
+        return  # (a list of values is bounded already)
+    low = node.get("minimum", node.get("exclusiveMinimum"))
+    high = node.get("maximum", node.get("exclusiveMaximum"))
+    if low is None and (cap := _cap(high, -1)) is not None:
+        node["minimum"] = cap
+    if high is None and (cap := _cap(low, 1)) is not None:
+        node["maximum"] = cap
+    if "number" in kinds and "multipleOf" not in node:
+        node["multipleOf"] = NUMBER_STEP
 
 
 def _cap(other: Any, sign: int) -> int | None:
-    """The bound for an integer's open side (sign +1: its maximum) given its other bound:
+    """The bound for a number's open side (sign +1: its maximum) given its other bound:
     SAFE_INTEGER, or FAR_INTEGER past a bound beyond it (llguidance refuses a minimum of 1.6e18
     with no maximum); None for a bound of another type (llguidance's to refuse)."""
     if other is None:
@@ -153,14 +185,24 @@ def rebase_refs(schema: Any, base: str) -> Any:
     return _each_schema(schema, rebase)
 
 
+def grammar_tokenizer(tokenizer_json: str, vocab_size: int, eos: Sequence[int]) -> Any:
+    """llguidance's view of a vocabulary (tokenizer.json's text; `vocab_size`: the logits'
+    width, tokens past the tokenizer's masked), as grammars are compiled against it."""
+    from llguidance import LLTokenizer
+
+    return LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos) or None)
+
+
 @lru_cache(maxsize=256)
-def compile_error(spec: StructuredOutput) -> str | None:
-    """Why `spec` does not compile, or None when it does (cached by its text)."""
+def compile_error(spec: StructuredOutput, tokenizer: Any = None) -> str | None:
+    """Why `spec` does not compile, or None when it does (cached by its text). Without a
+    `tokenizer` (a `grammar_tokenizer`), what only the vocabulary tells goes unchecked: the
+    special tokens (`<|name|>`) and token ids (`<[123]>`) a grammar names."""
     from llguidance import LLMatcher
 
     try:
         grammar = to_grammar(spec)
     except (ValueError, TypeError) as exc:
         return str(exc)
-    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
     return messages[0] if is_error else None

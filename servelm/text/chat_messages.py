@@ -23,7 +23,8 @@ class InvalidMessageError(ChatTemplateError):
 def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """The messages as the chat template reads them (content as plain text), or an
     InvalidMessageError naming the first one servelm cannot carry: an unknown role, a part that
-    is not text, no content. A field set to None counts as absent (as OpenAI reads it)."""
+    is not text, no content, tool calls not of OpenAI's shape. A field set to None counts as
+    absent (as OpenAI reads it)."""
     out = []
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping):
@@ -54,9 +55,30 @@ def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, A
             raise InvalidMessageError(
                 f"messages.{i}.content must be a string or a list of text parts."
             )
+        if "tool_calls" in m:
+            _check_tool_calls(m["tool_calls"], f"messages.{i}.tool_calls")
         m.setdefault("content", "")  # an assistant's tool calls alone: templates read it
         out.append(m)
     return out
+
+
+def _check_tool_calls(calls: Any, where: str) -> None:
+    """An InvalidMessageError naming the first part of `calls` that is not OpenAI's shape: a
+    list of {"function": {"name": ..., "arguments": JSON text (or an object)}}."""
+    if not isinstance(calls, list):
+        raise InvalidMessageError(f"{where} must be a list of tool calls.")
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(call, Mapping):
+            raise InvalidMessageError(f"{where}.{j} must be an object with a function.")
+        if not isinstance(fn, Mapping):
+            raise InvalidMessageError(f"{where}.{j}.function must be an object (name, arguments).")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise InvalidMessageError(f"{where}.{j}.function.name must be a non-empty string.")
+        if not isinstance(fn.get("arguments"), (str, Mapping, type(None))):
+            raise InvalidMessageError(
+                f"{where}.{j}.function.arguments must be a string of JSON (or an object)."
+            )
 
 
 def prepare_chat(
@@ -64,11 +86,15 @@ def prepare_chat(
     messages: Sequence[Mapping[str, Any]],
     tools: list[dict[str, Any]] | None = None,
     parallel: bool = True,
+    parser: str = "hermes",
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, str | None]:
     """(messages, tools, template) to render a conversation with: the template transformers
     would pick, `developer` turns as that template takes them, and tools and tool turns as
-    `text/tool_prompt.py` writes them (`parallel`: whether the model may call several)."""
+    `text/tool_prompt.py` writes them (`parallel`: whether the model may call several;
+    `parser`: the tool-call parser that reads the answer, whose format servelm's text asks for)."""
     template = tokenizer.chat_template_for(tools is not None)
     msgs = with_template_roles(template_messages(messages), template)
-    msgs, tools = prepare_messages(msgs, tools, template, parallel, tokenizer.special_tokens)
+    msgs, tools = prepare_messages(
+        msgs, tools, template, parallel, tokenizer.special_tokens, parser
+    )
     return msgs, tools, template

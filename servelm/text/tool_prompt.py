@@ -1,14 +1,16 @@
 """Tools and tool turns in the prompt: through the model's own chat template when it reads
-them, otherwise as servelm's Hermes-style text (a plain ChatML template drops them).
+them, otherwise as servelm's own text (a plain ChatML template drops them).
 
-servelm's text, for a template that does not mention `tools`:
+servelm's text, for a template that does not mention `tools`, in the call format of the parser
+that reads the answer (`parser`: Hermes `<tool_call>` blocks unless the server was told
+another, `--tool-call-parser`; each parser's class writes its format):
 
 - the tools go in a system message (appended to the conversation's own, or a new first one),
   or, where the template has no system role (Gemma 2's raises, Mistral v0.1/v0.2's want turns
   to alternate from a user one), at the start of the first user message: a short instruction,
   each tool's `{"type": "function", "function": {...}}` as one JSON line between `<tools>`
-  and `</tools>`, and the call format,
-  `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one block per call;
+  and `</tools>`, and the call format (Hermes':
+  `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one block per call);
 - an assistant turn's `tool_calls` are appended to its content in that format;
 - `role: tool` messages become a user turn, each result between `<tool_response>` and
   `</tool_response>` (consecutive results share one turn).
@@ -25,6 +27,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from servelm.text.chat_template import template_keeps_system
+from servelm.text.tool_parsers import parser_class
 
 _TOOLS_VARIABLE = re.compile(r"\btools\b")
 
@@ -45,7 +48,10 @@ def _arguments_object(arguments: Any) -> Any:
     return arguments
 
 
-def tools_instruction(tools: list[dict[str, Any]], parallel: bool = True) -> str:
+def tools_instruction(
+    tools: list[dict[str, Any]], parallel: bool = True, parser: str = "hermes"
+) -> str:
+    """The tools and how to call them, in the format `parser` reads."""
     lines = [
         "# Tools",
         "",
@@ -55,23 +61,21 @@ def tools_instruction(tools: list[dict[str, Any]], parallel: bool = True) -> str
         *(json.dumps(t, ensure_ascii=False) for t in tools),
         "</tools>",
         "",
-        "To call a function, answer with its name and arguments as a JSON object between "
-        "<tool_call> and </tool_call>:",
-        "<tool_call>",
-        '{"name": "function name", "arguments": {"argument name": "value"}}',
-        "</tool_call>",
-        "Write one such block per call." if parallel else "Call at most one function.",
+        parser_class(parser).instruction(parallel),
     ]
     return "\n".join(lines)
 
 
-def _call_text(call: dict[str, Any]) -> str:
-    fn = call.get("function") or {}
-    body = {"name": fn.get("name"), "arguments": _arguments_object(fn.get("arguments", {}))}
-    return f"<tool_call>\n{json.dumps(body, ensure_ascii=False)}\n</tool_call>"
+def _calls_text(calls: list[dict[str, Any]], parser: str) -> str:
+    """An assistant turn's calls (checked: `chat_messages.template_messages`) as text."""
+    pairs = [
+        (c["function"]["name"], _arguments_object(c["function"].get("arguments") or {}))
+        for c in calls
+    ]
+    return parser_class(parser).calls_text(pairs)
 
 
-def _as_text(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _as_text(messages: list[dict[str, Any]], parser: str = "hermes") -> list[dict[str, Any]]:
     """Tool calls and results written into plain turns (see the module's docstring)."""
     out: list[dict[str, Any]] = []
     for m in messages:
@@ -85,7 +89,7 @@ def _as_text(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         m = dict(m)
         calls = m.pop("tool_calls", None) or []
         if calls:
-            parts = [m.get("content") or "", *(_call_text(c) for c in calls)]
+            parts = [m.get("content") or "", _calls_text(calls, parser)]
             m["content"] = "\n".join(p for p in parts if p)
         out.append(m)
     for m in out:
@@ -117,16 +121,17 @@ def prepare_messages(
     template: str | None,
     parallel: bool = True,
     special_tokens: Mapping[str, str] | None = None,
+    parser: str = "hermes",
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """(messages, tools) to render: unchanged for a template that reads tools (arguments as
-    objects), servelm's text otherwise (and no `tools` for the template). `special_tokens`:
-    those the template is rendered with."""
+    objects), servelm's text otherwise, in `parser`'s call format (and no `tools` for the
+    template). `special_tokens`: those the template is rendered with."""
     if template_handles_tools(template):
         return _with_objects(messages), tools or None
-    messages = _as_text(messages)
+    messages = _as_text(messages, parser)
     if not tools:
         return messages, None
-    block = tools_instruction(tools, parallel)
+    block = tools_instruction(tools, parallel, parser)
     if template is None or template_keeps_system(template, special_tokens):
         if messages and messages[0].get("role") in ("system", "developer"):
             messages[0] = _with_block(messages[0], block)

@@ -71,6 +71,11 @@ def test_invalid_values_are_400_naming_the_param(server, body, param):
           "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
          "response_format", "invalid schema"),
         ("/completions", {"prompt": "hi", "guided_regex": "[a-"}, "guided_regex", "invalid regex"),
+        # known only with the vocabulary (were 500s from the engine's compile)
+        ("/completions", {"prompt": "hi", "guided_grammar": 'start: "a" <|no_such_token|>'},
+         "guided_grammar", "no_such_token"),
+        ("/chat/completions", {"messages": MSG, "guided_grammar": 'start: "a" <[99999999]>'},
+         "guided_grammar", "99999999"),
         ("/chat/completions", {"messages": MSG, "tool_choice": "required"}, "tool_choice", "force"),
         ("/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages",
          "'wizard'"),

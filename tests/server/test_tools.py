@@ -282,6 +282,58 @@ def test_forced_tool_choice_refuses_a_second_constraint_and_bad_schemas(client):
     assert info.value.body["param"] == "tools"
 
 
+def test_every_tool_schema_is_checked_whatever_the_tool_choice(client, server):
+    # a schema that does not compile is refused up front (OpenAI's rule), named, in one line
+    params = {"type": "object", "properties": {"q": {"type": "strin"}}}
+    bad = {"type": "function", "function": {"name": "look", "parameters": params}}
+    named = {"type": "function", "function": {"name": "get_time"}}
+    kw = dict(model="tiny", messages=ASK, tools=[TIME, bad], max_tokens=2)
+    for choice in ("auto", "required", named):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(tool_choice=choice, **kw)
+        assert info.value.body["param"] == "tools"
+        message = info.value.body["message"]
+        assert message == "tools.1.function.parameters: invalid schema: Invalid type: strin"
+    # arguments are an object: a schema of another type is refused (a forced call's arguments
+    # would not even be JSON), on /tokenize too
+    say = {"type": "function", "function": {"name": "say", "parameters": {"type": "string"}}}
+    for choice in ("auto", {"type": "function", "function": {"name": "say"}}):
+        with pytest.raises(openai.BadRequestError, match="tools.0.function.parameters must be"):
+            client.chat.completions.create(**{**kw, "tools": [say]}, tool_choice=choice)
+    body = {"model": "tiny", "messages": ASK, "tools": [say]}
+    assert httpx.post(server.url + "/tokenize", json=body).status_code == 400
+
+
+def test_a_property_named_like_a_keyword_is_a_property(client):
+    # "default", "examples": names of properties here, not keywords whose values are literals;
+    # the $ref inside is rebased, the integer bounded, as any other property's
+    from pydantic import BaseModel, Field
+
+    class Place(BaseModel):
+        city: str = Field(max_length=4)
+
+    class Trip(BaseModel):
+        default: Place
+        examples: int
+
+    tool = openai.pydantic_function_tool(Trip)
+    assert tool["function"]["parameters"]["properties"]["default"] == {"$ref": "#/$defs/Place"}
+    r = whole(
+        client.chat.completions.create(
+            model="tiny",
+            messages=ASK,
+            tools=[tool],
+            tool_choice="required",
+            parallel_tool_calls=False,
+            temperature=0,
+            max_tokens=300,
+        )
+    )
+    assert r["reason"] == "tool_calls" and [c["name"] for c in r["calls"]] == ["Trip"], r
+    trip = Trip.model_validate_json(r["calls"][0]["arguments"])
+    assert abs(trip.examples) <= 2**53 - 1
+
+
 def test_tools_reach_the_prompt_unless_none(ask):
     with_tools = ask("plain").usage.prompt_tokens
     assert (
@@ -348,6 +400,38 @@ def test_malformed_tool_fields_are_400s_naming_them(ask, kw, param):
 
 
 @pytest.mark.parametrize(
+    "calls,where",
+    [
+        (5, "messages.1.tool_calls must be a list"),
+        ({"id": "c1", "function": {"name": "get_time"}}, "messages.1.tool_calls must be a list"),
+        (["oops"], "messages.1.tool_calls.0 must be an object"),
+        ([None], "messages.1.tool_calls.0 must be an object"),
+        ([{"id": "c1", "function": "get_time"}], "messages.1.tool_calls.0.function must be"),
+        ([{"function": {"arguments": "{}"}}], "messages.1.tool_calls.0.function.name must be"),
+        (
+            [{"function": {"name": "get_time", "arguments": 5}}],
+            "messages.1.tool_calls.0.function.arguments must be",
+        ),
+    ],
+)
+def test_malformed_tool_calls_in_the_conversation_are_400s_naming_them(server, calls, where):
+    history = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+    ]
+    body = {"model": "tiny", "messages": history, "tools": TOOLS, "max_tokens": 2}
+    for path in ("/v1/chat/completions", "/tokenize"):
+        r = httpx.post(server.url + path, json=body)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "messages" and error["message"].startswith(where), error
+    # arguments as an object (not a JSON string) are taken, as templates read them
+    history[1]["tool_calls"] = [{"function": {"name": "get_time", "arguments": {"tz": "UTC"}}}]
+    assert httpx.post(server.url + "/tokenize", json=body).status_code == 200
+
+
+@pytest.mark.parametrize(
     "parser,script,calls",
     [
         ("llama3_json", "llama", [("get_weather", '{"city": "Rome"}')]),
@@ -375,6 +459,11 @@ def test_other_formats_with_tool_call_parser(scripted, parser, script, calls):
         same_but_ids(
             streamed(client.chat.completions.create(stream=True, **kw)), {**r, "content": ""}
         )
+        # servelm's own tool prompt (this template renders none) asks for this parser's format
+        body = {"messages": ASK, "tools": TOOLS}
+        ids = httpx.post(srv.url + "/tokenize", json=body, timeout=30).json()["tokens"]
+        prompt = httpx.post(srv.url + "/detokenize", json={"tokens": ids}, timeout=30).json()
+        assert "<tool_call>" not in prompt["prompt"]
         # hermes markup is plain text to these parsers
         kw["logit_bias"] = {str(scripted[1]["one_call"]): 100}
         assert whole(client.chat.completions.create(**kw))["content"] == script_text("one_call")

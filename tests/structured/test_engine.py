@@ -136,3 +136,28 @@ def test_aborts_free_matchers_while_compiling_and_while_running(llm):
     while core.has_unfinished_requests():
         core.step()
     assert waiting.grammar is None and not core.structured.live
+
+
+@pytest.mark.parametrize("kind", ["number", "integer"])
+def test_a_number_cannot_run_on_until_max_tokens(llm, tiny_model_dir, kind):
+    # A model that favours a digit writes it wherever the grammar allows one: a schema's
+    # numbers hold 16 digits before the point and 10 after it at most (structured/grammar.py).
+    from servelm.text.tokenizer import TextTokenizer
+
+    tok = TextTokenizer(tiny_model_dir)
+    ones = [t for t in range(tok.vocab_size) if tok.decode([t]) in ("1", " 1")]
+    schema = {
+        "type": "object",
+        "properties": {"x": {"type": kind}},
+        "required": ["x"],
+        "additionalProperties": False,
+    }
+    params = constrained("json", json.dumps(schema), temperature=0, max_tokens=200)
+    params.logit_bias = dict.fromkeys(ones, 100.0)
+    (result,) = llm.generate(PROMPTS[0], params)
+    out = result.outputs[0]
+    assert out.finish_reason == "stop", out.text
+    assert out.text.startswith('{"x": 1111111111111111')
+    assert len(json.loads(out.text)) == 1 and len(out.text) <= len(
+        '{"x": 0000000000000000.0000000000}'
+    )

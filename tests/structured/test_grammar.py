@@ -117,7 +117,7 @@ def test_the_grammar_engine_is_imported_only_when_a_request_asks():
 def test_unbounded_integers_get_json_safe_bounds():
     # A small model writing a number greedily can repeat a digit until max_tokens: 16 at most.
     from servelm.structured.grammar import SAFE_INTEGER as SAFE
-    from servelm.structured.grammar import bound_integers
+    from servelm.structured.grammar import bound_numbers
 
     schema = {
         "type": "object",
@@ -127,7 +127,7 @@ def test_unbounded_integers_get_json_safe_bounds():
             "c": {"type": "array", "items": {"type": "integer", "exclusiveMaximum": 5}},
         },
     }
-    out = bound_integers(schema)
+    out = bound_numbers(schema)
     assert out["properties"]["a"] == {"type": "integer", "minimum": -SAFE, "maximum": SAFE}
     assert out["properties"]["b"] == {"type": "integer", "minimum": 0, "maximum": SAFE}
     assert out["properties"]["c"]["items"] == {
@@ -141,7 +141,7 @@ def test_unbounded_integers_get_json_safe_bounds():
 
 def test_integer_bounds_leave_values_and_far_bounds_alone():
     from servelm.structured.grammar import SAFE_INTEGER as SAFE
-    from servelm.structured.grammar import bound_integers
+    from servelm.structured.grammar import bound_numbers
 
     literal = {"type": "integer", "x": 1}
     schema = {
@@ -154,7 +154,7 @@ def test_integer_bounds_leave_values_and_far_bounds_alone():
             "maybe": {"type": ["integer", "null"]},
         },
     }
-    out = bound_integers(schema)["properties"]
+    out = bound_numbers(schema)["properties"]
     assert out["const"] == {"const": literal} and out["enum"] == schema["properties"]["enum"]
     assert out["ns"] == {
         "type": "integer",
@@ -200,3 +200,60 @@ def test_regex_classes_are_ascii_as_in_json_schema_patterns():
     for regex, ascii_regex in cases.items():
         assert ascii_classes(regex) == ascii_regex, regex
         assert compile_error(StructuredOutput("regex", regex)) is None
+
+
+def test_properties_named_like_keywords_are_schemas_all_the_same():
+    # the keys of properties / $defs / dependencies are names: a property called "default"
+    # or "examples" is a schema (its $ref rebased, its integer bounded), not a literal
+    from servelm.structured.grammar import SAFE_INTEGER as SAFE
+    from servelm.structured.grammar import bound_numbers, rebase_refs
+
+    names = ("default", "examples", "enum", "const", "type", "$ref")
+    schema = {
+        "type": "object",
+        "properties": {name: {"type": "integer"} for name in names},
+        "$defs": {"default": {"properties": {"enum": {"$ref": "#/$defs/const"}}}, "const": {}},
+        "dependencies": {"type": ["integer"]},  # (a list of names: if "type", then "integer")
+        "default": {"type": "integer"},  # a literal value all the same
+    }
+    bounded = bound_numbers(schema)
+    for name in names:
+        assert bounded["properties"][name] == {"type": "integer", "minimum": -SAFE, "maximum": SAFE}
+    assert bounded["dependencies"] == schema["dependencies"]
+    assert bounded["default"] == {"type": "integer"}
+    rebased = rebase_refs(schema, "#/$defs/tool_0")["$defs"]["default"]["properties"]["enum"]
+    assert rebased == {"$ref": "#/$defs/tool_0/$defs/const"}
+
+
+def test_numbers_are_held_to_16_digits_before_the_point_and_10_after(compiler):
+    from servelm.structured.grammar import NUMBER_STEP, bound_numbers
+    from servelm.structured.grammar import SAFE_INTEGER as SAFE
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "number"},
+            "b": {"type": ["number", "null"], "minimum": 0},
+            "c": {"type": "number", "multipleOf": 0.5, "maximum": 1},  # its own step: kept
+            "d": {"type": "number", "enum": [3.14159265358979]},  # values: left alone
+        },
+    }
+    out = bound_numbers(schema)["properties"]
+    assert out["a"] == {"type": "number", "minimum": -SAFE, "maximum": SAFE, "multipleOf": 1e-10}
+    assert out["b"] == {**schema["properties"]["b"], "maximum": SAFE, "multipleOf": NUMBER_STEP}
+    assert out["c"] == {**schema["properties"]["c"], "minimum": -SAFE}
+    assert out["d"] == schema["properties"]["d"]
+
+    tok = TextTokenizer(compiler.tokenizer_file.parent)
+    spec = StructuredOutput("json", json.dumps(schema["properties"]["a"]))
+    template = compiler.submit(spec, frozenset(tok.eos_token_ids)).result(30)
+
+    def accepts(text: str) -> bool:
+        matcher = template.deep_copy()
+        ids = tok.encode(text, add_special_tokens=False)
+        return all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()
+
+    for text in ("3.1415926535", "-9007199254740991", "0.0000000001", "12.5", "0"):
+        assert accepts(text), text
+    for text in ("3.14159265358", "90071992547409910", "1e5", "0.00000000001"):
+        assert not accepts(text), text

@@ -227,6 +227,12 @@ PYTHONIC = [
     ("Just text [get_time()]", "Just text [get_time()]", []),
     ("[get_time(tz='UTC')] done", "done", [("get_time", '{"tz": "UTC"}')]),
     ("[get_time(", "[get_time(", []),
+    # a literal that JSON has no form of is no call: the model's text is its answer
+    *[
+        (f"[get_weather(city={value})]", f"[get_weather(city={value})]", [])
+        for value in ('b"Paris"', "{1, 2}", "{[1]: 2}", "{1: 2}", "1e999", "-1e999", "1j")
+    ],
+    ("[get_time(tz=('UTC', -1.5))]", "", [("get_time", '{"tz": ["UTC", -1.5]}')]),
 ]
 
 

@@ -163,3 +163,27 @@ def test_which_templates_keep_a_system_message():
     assert not template_keeps_system(DROPS_SYSTEM, SPECIAL)
     # a template adding `bos_token + ...` renders only with the special tokens it is given
     assert template_keeps_system("{{ bos_token + messages[0]['content'] }}", SPECIAL)
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json", "pythonic"])
+@pytest.mark.parametrize("parallel", [True, False])
+def test_the_prompt_asks_for_the_format_of_the_parser_in_use(parser, parallel):
+    # --tool-call-parser pythonic / llama3_json reads the answer in that format: servelm's text
+    # must ask for it (and write earlier calls in it), not for Hermes blocks
+    messages, _ = prepare_messages(HISTORY, [TOOL], CHATML, parallel, parser=parser)
+    block = messages[0]["content"]
+    assert block == tools_instruction([TOOL], parallel, parser)
+    example = "\n".join(block.split("</tools>\n\n")[1].split("\n")[1:-1])  # between the words
+    _, calls = parse(parser, example)
+    assert calls and calls[0].name in ("function name", "function_name")
+    assert json.loads(calls[0].arguments) in (
+        {"argument name": "value"},
+        {"argument_name": "value"},
+    )
+    assert len(calls) == (2 if parallel and parser == "pythonic" else 1)
+    assert ("<tool_call>" in block) == (parser == "hermes")
+    # the history's calls, as this parser reads them back
+    _, calls = parse(parser, messages[2]["content"], tool_names=["get_weather"])
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"})
+    ] * 2

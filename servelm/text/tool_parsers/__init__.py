@@ -11,6 +11,9 @@ the format starts a call) is held back until it is known, as stop strings are. A
 body turns out not to be one (no name, not JSON) is handed back as text, markup and all.
 Arguments in JSON formats are the model's own text of the value, streamed as it arrives; in
 the pythonic format they are the JSON of the keyword arguments, sent once the list closes.
+
+Each parser's class also says how to ask for its format (`instruction`, `calls_text`), so that
+servelm's own tool prompt (`text/tool_prompt.py`) asks for what the answer's parser reads.
 """
 
 from __future__ import annotations
@@ -37,19 +40,23 @@ def parse(name: str, text: str, **kw) -> tuple[str, list[ToolCall]]:
 
 
 def make_parser(name: str, **kw) -> ToolParser:
-    cls = {
+    return parser_class(name)(**kw)
+
+
+def parser_class(name: str) -> type[ToolParser]:
+    """The parser of a format (its class also says how to ask a model for that format)."""
+    classes: dict[str, type[ToolParser]] = {
         "hermes": HermesParser,
         "llama3_json": Llama3JsonParser,
         "pythonic": PythonicParser,
     }
-    if name not in cls:
+    if name not in classes:
         raise ValueError(f"unknown tool call parser {name!r}; one of {', '.join(PARSERS)}")
-    return cls[name](**kw)
+    return classes[name]
 
 
 def default_parser(chat_template: str | None) -> str:
-    """The format a model calls tools in, judged by its chat template (hermes when unsure:
-    the format servelm's own tool prompt asks for)."""
+    """The format a model calls tools in, judged by its chat template (hermes when unsure)."""
     t = chat_template or ""
     if "<|python_start|>" in t:
         return "pythonic"  # Llama 4
@@ -72,4 +79,5 @@ __all__ = [
     "make_parser",
     "new_call_id",
     "parse",
+    "parser_class",
 ]

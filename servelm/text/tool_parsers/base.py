@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 
 def new_call_id() -> str:
@@ -76,6 +77,18 @@ class ToolParser:
         self.new_id = new_id
         self.num_calls = 0
         self.events: list[Event] = []
+
+    @classmethod
+    def instruction(cls, parallel: bool) -> str:
+        """How servelm's own tool prompt asks a model to call functions: in this format, the
+        one the parser reads (`parallel`: whether several calls may be made)."""
+        raise NotImplementedError
+
+    @classmethod
+    def calls_text(cls, calls: list[tuple[str, Any]]) -> str:
+        """Calls of an earlier turn, (name, arguments: an object, or text that is no JSON),
+        written as a model answers in this format."""
+        raise NotImplementedError
 
     def feed(self, text: str) -> list[Event]:
         raise NotImplementedError

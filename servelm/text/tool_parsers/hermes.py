@@ -1,7 +1,10 @@
 """Hermes tool calls: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen2.5,
-SmolLM3, Hermes; servelm's own tool prompt asks for them)."""
+SmolLM3, Hermes; servelm's own tool prompt asks for them unless told another format)."""
 
 from __future__ import annotations
+
+import json
+from typing import Any
 
 from servelm.text.tool_parsers.base import Event, ToolParser, held
 from servelm.text.tool_parsers.json_call import JsonCallReader
@@ -11,6 +14,23 @@ class HermesParser(ToolParser):
     """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number, text around them."""
 
     START, END = "<tool_call>", "</tool_call>"
+
+    @classmethod
+    def instruction(cls, parallel: bool) -> str:
+        lines = [
+            "To call a function, answer with its name and arguments as a JSON object between "
+            "<tool_call> and </tool_call>:",
+            "<tool_call>",
+            '{"name": "function name", "arguments": {"argument name": "value"}}',
+            "</tool_call>",
+            "Write one such block per call." if parallel else "Call at most one function.",
+        ]
+        return "\n".join(lines)
+
+    @classmethod
+    def calls_text(cls, calls: list[tuple[str, Any]]) -> str:
+        bodies = [json.dumps({"name": n, "arguments": a}, ensure_ascii=False) for n, a in calls]
+        return "\n".join(f"{cls.START}\n{body}\n{cls.END}" for body in bodies)
 
     def __init__(self, **kw) -> None:
         super().__init__(**kw)

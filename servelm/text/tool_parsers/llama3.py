@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 from servelm.text.tool_parsers.base import Event, ToolParser
 from servelm.text.tool_parsers.json_call import JsonCallReader
 
@@ -13,6 +16,24 @@ class Llama3JsonParser(ToolParser):
     answer is text. Without the tag, a call must name one of the request's tools."""
 
     TAG = "<|python_tag|>"
+
+    @classmethod
+    def instruction(cls, parallel: bool) -> str:
+        lines = [
+            "To call a function, answer with only its name and arguments as a JSON object, "
+            "and no other text:",
+            '{"name": "function name", "parameters": {"argument name": "value"}}',
+            'Write one such object per call, separated by "; ".'
+            if parallel
+            else "Call at most one function.",
+        ]
+        return "\n".join(lines)
+
+    @classmethod
+    def calls_text(cls, calls: list[tuple[str, Any]]) -> str:
+        return "; ".join(
+            json.dumps({"name": n, "parameters": a}, ensure_ascii=False) for n, a in calls
+        )
 
     def __init__(self, **kw) -> None:
         super().__init__(**kw)

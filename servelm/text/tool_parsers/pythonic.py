@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import ast
 import json
+import keyword
+import math
+from typing import Any
 
 from servelm.text.tool_parsers.base import Event, ToolParser
 
@@ -14,6 +17,21 @@ class PythonicParser(ToolParser):
     request's tools. The calls are handed out when the list closes; any other answer is text."""
 
     START, END = "<|python_start|>", "<|python_end|>"
+
+    @classmethod
+    def instruction(cls, parallel: bool) -> str:
+        example = '[function_name(argument_name="value")'
+        lines = [
+            "To call a function, answer with only a list of calls in Python syntax, each "
+            "argument by name as a literal, and no other text:",
+            example + (", other_function()]" if parallel else "]"),
+            "Put one call per function in the list." if parallel else "Call at most one function.",
+        ]
+        return "\n".join(lines)
+
+    @classmethod
+    def calls_text(cls, calls: list[tuple[str, Any]]) -> str:
+        return "[" + ", ".join(f"{name}({_python_arguments(a)})" for name, a in calls) + "]"
 
     def __init__(self, **kw) -> None:
         super().__init__(**kw)
@@ -87,9 +105,13 @@ class PythonicParser(ToolParser):
         return False
 
     def _calls(self, body: str) -> list[tuple[str, str]] | None:
+        """The calls of a whole list, each with its arguments' JSON; None (the list is text)
+        unless every call is to a tool, with keyword arguments whose values are JSON's: the
+        model's text is untrusted, and a literal JSON has no form of (b"x", {1, 2}, 1e999,
+        a key that is not a string) is no call."""
         try:
             tree = ast.parse(body, mode="eval").body
-        except SyntaxError:
+        except (SyntaxError, ValueError, MemoryError, RecursionError):
             return None
         if not isinstance(tree, ast.List) or not tree.elts:
             return None
@@ -102,11 +124,14 @@ class PythonicParser(ToolParser):
                 return None
             try:
                 args = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
-            except ValueError:
+            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+                return None  # (TypeError: an unhashable key, {[1]: 2})
+            if None in args or not _is_json(args):  # (None: **kwargs)
                 return None
-            if None in args:  # **kwargs
+            try:
+                calls.append((name, json.dumps(args, ensure_ascii=False, allow_nan=False)))
+            except ValueError:  # an integer too long to write out
                 return None
-            calls.append((name, json.dumps(args, ensure_ascii=False)))
         return calls
 
     def finish(self) -> list[Event]:
@@ -114,3 +139,23 @@ class PythonicParser(ToolParser):
             self._content(self.pending)
         self.pending = ""
         return self._take()
+
+
+def _is_json(value: Any) -> bool:
+    """Whether a Python literal is a JSON value as it stands (a tuple as an array)."""
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _is_json(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return all(_is_json(v) for v in value)
+    if isinstance(value, float):
+        return math.isfinite(value)
+    return value is None or isinstance(value, (str, int))  # (bool is an int)
+
+
+def _python_arguments(arguments: Any) -> str:
+    """Arguments as a call writes them: by keyword, values as Python literals."""
+    if not isinstance(arguments, dict):
+        return repr(arguments)  # (text that is no JSON object: kept, if not as a call takes it)
+    if all(k.isidentifier() and not keyword.iskeyword(k) for k in arguments):
+        return ", ".join(f"{k}={v!r}" for k, v in arguments.items())
+    return f"**{arguments!r}"
