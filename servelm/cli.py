@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # name -> (module that owns it, one-line help)
@@ -46,9 +47,28 @@ def main(argv: list[str] | None = None) -> int:
     from servelm.store.errors import ModelFileError, ModelSpecError
 
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(argv).parse_args(argv)
+    # the command's name before parsing ends (build_parser names it the same way)
+    name = " ".join(["servelm", *[a for a in argv if not a.startswith("-")][:1]])
     try:
-        return int(args._run(args) or 0)
+        args = build_parser(argv).parse_args(argv)
+        status = int(args._run(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, not in Python's flush at exit
+        return status
+    except KeyboardInterrupt:
+        # Ctrl-C ends any command with one line, not a traceback; 130 = 128 + SIGINT, the
+        # status a shell gives a program the signal killed (commands that can stop cleanly,
+        # bench and chat, handle it themselves first)
+        print(f"{name}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # stdout's reader went away (`servelm plan --json | head -1`): nothing more can be
+        # written, so end quietly, as a program SIGPIPE kills does (141 = 128 + SIGPIPE).
+        # Python's own flush of stdout at exit would raise again: stdout goes to devnull
+        # (the recipe in the docs of the signal module). (What rich prints, it handles
+        # itself the same way, but exits with 1.)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
     except ModelSpecError as exc:  # a bad model path or id: the message says it all
         print(f"servelm {args.command}: {exc}", file=sys.stderr)
         return 2

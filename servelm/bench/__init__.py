@@ -6,7 +6,8 @@
 
 Modules: workload (what to send), client (one timed streaming request), runner (arrivals,
 levels, sweeps), stats (percentiles, goodput, capacity), server_metrics (/metrics scraping),
-results (the JSON schema), report (terminal), plots (PNGs), command (`servelm bench`).
+results (the JSON schema), report (terminal), plots (PNGs), outputs (checks that the files
+asked for can be written), command (`servelm bench`).
 """
 
 from servelm.bench.config import BenchConfig

@@ -3,8 +3,11 @@
 Timestamps are taken as each `data:` line arrives (perf_counter, one clock per process):
 TTFT is the first chunk with non-empty text, every later text chunk adds one inter-token gap,
 e2e ends at `[DONE]`. Token counts come from the usage chunk (`stream_options.include_usage`)
-when the server sends one, else one token per text chunk. Failures never raise: they come
-back as a record whose `error` is the HTTP status or "connect" / "timeout" / "stream-error".
+when the server sends one, else one token per text chunk. An answer that ends properly with no
+text (the model's first token ended it: with --no-ignore-eos, or min_tokens ignored) is a
+success with no TTFT or TPOT (and 0 output tokens where the server sends no usage): the server
+answered it correctly. Failures never raise: they come back as a record whose `error` is the
+HTTP status or "connect" / "timeout" / "stream-error".
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any
 import httpx
 
 from servelm.bench.results import RequestRecord
-from servelm.bench.workload import RequestSpec
+from servelm.bench.workload import RequestSpec, completion_prompt
 
 DONE = "[DONE]"
 ENDPOINTS = {"chat": "/chat/completions", "completions": "/completions"}
@@ -70,7 +73,7 @@ def build_payload(target: Target, spec: RequestSpec) -> dict[str, Any]:
     elif target.endpoint == "completions":
         if spec.prompt is None:
             raise ValueError("the completions endpoint needs prompts, not chat messages")
-        body["prompt"] = f"{spec.system}\n\n{spec.prompt}" if spec.system else spec.prompt
+        body["prompt"] = completion_prompt(spec.system, spec.prompt)
     else:
         raise ValueError(f"unknown endpoint {target.endpoint!r}; choose from {sorted(ENDPOINTS)}")
     if spec.output_tokens is not None:
@@ -133,7 +136,7 @@ async def send_request(
         ) as response:
             if response.status_code != 200:
                 text = (await response.aread()).decode(errors="replace")
-                return _fail(record, str(response.status_code), _error_message(text))
+                return _fail(record, str(response.status_code), error_message(text))
             if response.headers.get("content-type", "").startswith("application/json"):
                 _read_whole(record, json.loads(await response.aread()), start)
             else:
@@ -160,7 +163,7 @@ async def _read_stream(record: RequestRecord, response: httpx.Response, start: f
             finished = True
             break
         if "error" in event:
-            raise StreamError(_error_message(json.dumps(event)))
+            raise StreamError(error_message(json.dumps(event)))
         now = time.perf_counter()
         if chunk_text(event):
             if last is None:
@@ -175,8 +178,7 @@ async def _read_stream(record: RequestRecord, response: httpx.Response, start: f
     end = time.perf_counter()
     if not finished:
         raise StreamError("stream ended before [DONE] or a finish_reason")
-    if last is None:
-        raise StreamError("stream finished without any generated text")
+    # (no text at all: record.ttft_s stays None, the answer was empty, not broken)
     record.e2e_s = end - start
     record.output_tokens = int(usage.get("completion_tokens") or chunks)
     record.server_prompt_tokens = usage.get("prompt_tokens")
@@ -200,7 +202,7 @@ def _fail(record: RequestRecord, error: str, message: str) -> RequestRecord:
     return record
 
 
-def _error_message(text: str) -> str:
+def error_message(text: str) -> str:
     """The `error.message` of an OpenAI-style error body, else the text itself."""
     try:
         error = json.loads(text).get("error")

@@ -1,7 +1,10 @@
 """`servelm bench`: load-test any OpenAI-compatible server and report latency and throughput.
 
 Exit status: 0 when every request succeeded, 1 when any failed (counts by status are printed),
-2 when the benchmark could not start (bad arguments, server unreachable, no tokenizer).
+2 when the benchmark could not start (bad arguments, an --out or --plot it could not write,
+server unreachable or refusing the API key, no tokenizer), 130 when Ctrl-C stopped it: the
+levels so far are reported and written, the last one over the requests that finished (a
+second Ctrl-C stops at once).
 """
 
 from __future__ import annotations
@@ -9,10 +12,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 
 from servelm.bench.config import BenchConfig
+from servelm.bench.outputs import check_out_file, check_out_folder
 from servelm.bench.report import RichProgress, print_report, report_console
-from servelm.bench.results import Load
+from servelm.bench.results import BenchResult, Load
 from servelm.bench.runner import BenchError, run_benchmark
 from servelm.bench.stats import SLO
 from servelm.bench.workload import LENGTH_DISTS, PRESETS, WorkloadSpec
@@ -57,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--len-spread",
         type=float,
         default=0.5,
-        help="uniform: +-spread*mean; lognormal: sigma (default: %(default)s)",
+        help="uniform: +-spread*mean, below 1; lognormal: sigma (default: %(default)s)",
     )
     work.add_argument("--dataset", help='JSONL of {"prompt": ...} or {"messages": [...]}')
     work.add_argument(
@@ -85,7 +90,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1.0,
         help="open loop gamma shape: 1 = Poisson, <1 burstier",
     )
-    load.add_argument("--max-concurrency", type=int, help="open loop cap on requests in flight")
+    load.add_argument(
+        "--max-concurrency", type=int, help="open loop (--rate) cap on requests in flight"
+    )
     load.add_argument("--num-requests", type=int, help="per level (default 100 without --duration)")
     load.add_argument("--duration", type=float, help="seconds per level to keep sending")
     load.add_argument("--warmup", type=int, default=0, help="uncounted requests before each level")
@@ -149,13 +156,16 @@ def loads_from_args(args: argparse.Namespace) -> tuple[Load, ...]:
     def rate_load(rate: float) -> Load:
         return Load(rate=rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency)
 
+    def closed_load(concurrency: int) -> Load:  # (Load refuses a --max-concurrency here)
+        return Load(concurrency=concurrency, max_concurrency=args.max_concurrency)
+
     if args.sweep_concurrency:
-        return tuple(Load(concurrency=int(c)) for c in _split(args.sweep_concurrency))
+        return tuple(closed_load(int(c)) for c in _split(args.sweep_concurrency))
     if args.sweep_rate:
         return tuple(rate_load(float(r)) for r in _split(args.sweep_rate))
     if args.rate is not None:
         return (rate_load(args.rate),)
-    return (Load(concurrency=args.concurrency or 1),)
+    return (closed_load(1 if args.concurrency is None else args.concurrency),)
 
 
 def _split(text: str) -> list[str]:
@@ -169,15 +179,23 @@ def run(args: argparse.Namespace) -> int:
     console = report_console()
     try:
         config = config_from_args(args)
+        # before the run: a path that fails only once the results are ready costs the run
+        if args.out:
+            check_out_file(args.out, "--out")
+        if args.plot:
+            check_out_folder(args.plot, "--plot")
     except ValueError as exc:
-        console.print(f"[red]servelm bench: {exc}", highlight=False)
+        console.print(f"servelm bench: {exc}", style="red", markup=False, highlight=False)
         return 2
     try:
         with RichProgress(console) as progress:
-            result = asyncio.run(run_benchmark(config, progress=progress))
+            result, interrupted = asyncio.run(run_until_interrupted(config, progress))
     except BenchError as exc:
         console.print(f"servelm bench: {exc}", style="red", markup=False, highlight=False)
         return 2
+    if interrupted and not result.runs:
+        console.print("servelm bench: interrupted before any request finished", style="red")
+        return 130
     print_report(result, console)
     if args.out:
         result.write_json(args.out)
@@ -187,4 +205,39 @@ def run(args: argparse.Namespace) -> int:
 
         for path in plot_results([result.to_dict()], args.plot):
             console.print(f"wrote {path}", highlight=False)
+    if interrupted:
+        last = result.runs[-1]
+        said = f"the levels after {last.load.label()} did not run"
+        if last.interrupted:
+            said = (
+                f"level {last.load.label()} was cut short: its figures are over the "
+                f"{len(last.requests)} requests that finished, and it counts for no capacity"
+            )
+        console.print(f"servelm bench: interrupted: {said}", style="red", highlight=False)
+        return 130
     return 1 if result.failed else 0
+
+
+async def run_until_interrupted(
+    config: BenchConfig, progress: RichProgress | None = None
+) -> tuple[BenchResult, bool]:
+    """`run_benchmark` with Ctrl-C (SIGINT) as its `stop`; returns (result, whether stopped).
+    The first Ctrl-C ends the run with what has finished; it also takes the handler away, so
+    a second one stops at once (a KeyboardInterrupt, which `servelm.cli.main` reports)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_sigint() -> None:
+        loop.remove_signal_handler(signal.SIGINT)
+        stop.set()
+
+    try:
+        loop.add_signal_handler(signal.SIGINT, on_sigint)
+    except (NotImplementedError, RuntimeError):  # no signals here (Windows, another thread)
+        pass
+    try:
+        result = await run_benchmark(config, progress=progress, stop=stop)
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+    cut = len(result.runs) < len(config.loads) or any(run.interrupted for run in result.runs)
+    return result, stop.is_set() and cut  # (a Ctrl-C after the last request: nothing cut)

@@ -51,6 +51,13 @@ class BenchConfig:
             raise ValueError("duration_s must be > 0")
         if self.warmup < 0:
             raise ValueError("warmup must be >= 0")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {self.timeout_s:g}")
+        if not 0 < self.capacity_threshold <= 1:
+            raise ValueError(
+                "the SLO threshold is a share of requests, in (0, 1]; "
+                f"got {self.capacity_threshold:g}"
+            )
         if len({load.kind for load in self.loads}) > 1:
             raise ValueError("a sweep varies either concurrency or rate, not both")
 

@@ -10,7 +10,9 @@ from different sources overlay in one plot (`config.source` may name the produce
                "summary": {...},           # stats.summarize(): counts, errors, throughput,
                                            # {ttft,tpot,itl,e2e}_ms percentiles, goodput
                "server": {...} | null,     # server_metrics.server_report(), null if not scraped
-               "requests": [RequestRecord.to_dict(), ...]}],
+               "requests": [RequestRecord.to_dict(), ...],
+               "interrupted": false}],     # true: stopped part-way (Ctrl-C); the summary and
+                                           # requests are those that finished
      "capacity": {"load": {...}, "goodput": 3.1, "slo_attainment": 0.95, "threshold": 0.9}
                  | null}                   # highest level meeting the SLO; null if none did
 
@@ -52,6 +54,13 @@ class Load:
             raise ValueError(f"rate must be > 0, got {self.rate}")
         if not self.burstiness > 0:
             raise ValueError(f"burstiness must be > 0, got {self.burstiness}")
+        if self.max_concurrency is not None:
+            if self.concurrency is not None:
+                raise ValueError("max_concurrency caps an open loop (a rate), not a concurrency")
+            if self.max_concurrency < 1:
+                raise ValueError(
+                    f"max_concurrency must be >= 1 (unset: no cap), got {self.max_concurrency}"
+                )
 
     @property
     def kind(self) -> str:
@@ -130,12 +139,14 @@ class RequestRecord:
 
 @dataclass
 class RunResult:
-    """One load level: its records, summary statistics and server-side metric deltas."""
+    """One load level: its records, summary statistics and server-side metric deltas.
+    `interrupted`: the level was stopped part-way, and holds the requests that finished."""
 
     load: Load
     summary: dict[str, Any]
     server: dict[str, Any] | None
     requests: list[RequestRecord]
+    interrupted: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -143,6 +154,7 @@ class RunResult:
             "summary": self.summary,
             "server": self.server,
             "requests": [r.to_dict() for r in self.requests],
+            "interrupted": self.interrupted,
         }
 
 
@@ -163,8 +175,10 @@ class BenchResult:
         }
 
     def write_json(self, path: str | Path) -> None:
-        """Write strict JSON: a NaN or infinity (say, from a server gauge) becomes null."""
+        """Write strict JSON: a NaN or infinity (say, from a server gauge) becomes null. A
+        folder missing on the way is made (`outputs.check_out_file` checked it can be)."""
         data = _finite(self.to_dict())
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(data, indent=1, allow_nan=False) + "\n")
 
     @property
@@ -192,7 +206,9 @@ def load_results(path: str | Path) -> dict[str, Any]:
 
 def capacity_block(runs: list[RunResult], threshold: float) -> dict[str, Any] | None:
     """Capacity at SLO: walking up the loads, the last level before the first whose SLO
-    attainment is below `threshold` (None if the lowest is; `stats.capacity_at_slo`)."""
+    attainment is below `threshold` (None if the lowest is; `stats.capacity_at_slo`). A level
+    that was interrupted is left out: its slowest requests may be the ones cut."""
+    runs = [run for run in runs if not run.interrupted]
     best = capacity_at_slo(
         [(run.load.value, run.summary["slo_attainment"]) for run in runs], threshold
     )

@@ -5,6 +5,10 @@ Open loop: requests start on a schedule of gamma-distributed gaps with mean 1/ra
 burstiness; 1.0 is a Poisson process), whether or not earlier ones have finished, optionally
 capped at `max_concurrency` in flight. The schedule is absolute (due times add up), so a slow
 event loop delays requests but does not lower the rate it catches up to.
+
+A run given a `stop` event ends early once it is set (`servelm bench` sets it on Ctrl-C): no
+request is sent after it, those in flight are cancelled, and the result holds the levels run
+so far, the one it stopped marked `interrupted` with the requests that had finished.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from servelm.bench.client import (
     Target,
     auth_headers,
     build_payload,
+    error_message,
     normalise_base_url,
     send_request,
 )
@@ -56,10 +61,12 @@ async def run_benchmark(
     *,
     tokenizer: Tokenizer | None = None,
     progress: ProgressSink | None = None,
+    stop: asyncio.Event | None = None,
 ) -> BenchResult:
     """Run every load level of `config` in turn and collect the results.
 
     `tokenizer` overrides `config.tokenizer` (handy for tests with an in-memory tokenizer).
+    `stop`, once set, ends the run early with what has finished (the module's docstring).
     Raises BenchError if the run cannot start; failed requests do not raise.
     """
     try:
@@ -93,9 +100,13 @@ async def run_benchmark(
             watcher = MetricsWatcher(client, root + "/metrics", headers, config.metrics_interval_s)
         runs = []
         for level, load in enumerate(config.loads):
-            runs.append(
-                await run_level(client, target, workload, config, load, level, watcher, progress)
+            if stop is not None and stop.is_set():
+                break
+            run = await run_level(
+                client, target, workload, config, load, level, watcher, progress, stop
             )
+            if run is not None:
+                runs.append(run)
     return BenchResult(
         {**config.to_dict(), "model": model},
         runs,
@@ -121,8 +132,19 @@ async def first_model(client: httpx.AsyncClient, api_url: str, api_key: str | No
         response = await client.get(api_url + "/models", headers=auth_headers(api_key))
     except httpx.HTTPError as exc:
         raise BenchError(f"cannot reach {api_url}/models: {exc!r}") from exc
-    if response.status_code != 200:
-        raise BenchError(f"GET {api_url}/models: HTTP {response.status_code}; pass --model")
+    status = response.status_code
+    if status in (401, 403):  # --model would not help: every request would be refused too
+        said = error_message(response.text)
+        hint = (
+            "the server refused the API key given (--api-key or $OPENAI_API_KEY)"
+            if api_key
+            else "the server wants an API key: pass --api-key or set $OPENAI_API_KEY"
+        )
+        raise BenchError(
+            f"GET {api_url}/models: HTTP {status}{f' ({said})' if said else ''}; {hint}"
+        )
+    if status != 200:
+        raise BenchError(f"GET {api_url}/models: HTTP {status}; pass --model")
     try:
         return str(response.json()["data"][0]["id"])
     except (ValueError, KeyError, IndexError, TypeError) as exc:
@@ -138,13 +160,19 @@ async def run_level(
     level: int = 0,
     watcher: MetricsWatcher | None = None,
     progress: ProgressSink | None = None,
-) -> RunResult:
-    """One load level: warm-up (uncounted), then the measured requests, then the summary."""
+    stop: asyncio.Event | None = None,
+) -> RunResult | None:
+    """One load level: warm-up (uncounted), then the measured requests, then the summary.
+    None if `stop` was set before a measured request finished."""
     width = load.concurrency or load.max_concurrency or 1
     if config.warmup:
         warm = _Source(workload, f"warmup{level}", config.warmup, None)
         zero = time.perf_counter()
-        await closed_loop(lambda s: send_request(client, target, s, zero), warm, width)
+        await until_stopped(
+            closed_loop(lambda s: send_request(client, target, s, zero), warm, width), stop
+        )
+    if stop is not None and stop.is_set():
+        return None
     source = _Source(workload, f"level{level}", config.num_requests, config.duration_s)
     if watcher is not None:
         await watcher.start()
@@ -152,24 +180,51 @@ async def run_level(
         progress.start_level(load, config.num_requests)
     t0 = time.perf_counter()
 
+    records: list[RequestRecord] = []  # as they finish: what a stopped level keeps
+
     async def send(spec: RequestSpec) -> RequestRecord:
         record = await send_request(client, target, spec, t0)
+        records.append(record)
         if progress is not None:
             progress.request_done(record)
         return record
 
     source.begin(t0)
     if load.concurrency is not None:
-        records = await closed_loop(send, source, load.concurrency)
+        arrivals = closed_loop(send, source, load.concurrency)
     else:
         rng = random.Random(f"{config.seed}/arrivals/{level}")
-        records = await open_loop(send, source, load, rng)
+        arrivals = open_loop(send, source, load, rng)
+    interrupted = await until_stopped(arrivals, stop)
     duration = time.perf_counter() - t0
     if progress is not None:
         progress.end_level()
     server = await watcher.stop() if watcher is not None else None
+    if interrupted and not records:
+        return None
     records.sort(key=lambda r: r.index)
-    return RunResult(load, summarize(records, duration, config.slo), server, records)
+    summary = summarize(records, duration, config.slo)
+    return RunResult(load, summary, server, records, interrupted=interrupted)
+
+
+async def until_stopped(work: Awaitable[object], stop: asyncio.Event | None) -> bool:
+    """Await `work`, or until `stop` is set: then cancel it, with the requests it has in
+    flight, and return True."""
+    if stop is None:
+        await work
+        return False
+    task = asyncio.ensure_future(work)
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiting in (task, stopped):
+            waiting.cancel()
+        await asyncio.gather(task, stopped, return_exceptions=True)
+    if not task.cancelled():
+        task.result()  # the exception it raised, if any
+        return False
+    return True
 
 
 class _Source:
@@ -226,18 +281,24 @@ async def open_loop(
         async with cap:
             return await send(spec)
 
-    tasks = []
+    tasks: list[asyncio.Task[RequestRecord]] = []
     due = time.perf_counter()
-    while True:
-        delay = due - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        spec = await source.next()
-        if spec is None:
-            break
-        tasks.append(asyncio.create_task(capped(spec)))
-        due += inter_arrival(rng, rate, load.burstiness)
-    return list(await asyncio.gather(*tasks))
+    try:
+        while True:
+            delay = due - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            spec = await source.next()
+            if spec is None:
+                break
+            tasks.append(asyncio.create_task(capped(spec)))
+            due += inter_arrival(rng, rate, load.burstiness)
+        return list(await asyncio.gather(*tasks))
+    except asyncio.CancelledError:  # cancelled between arrivals: the requests sent go too
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def inter_arrival(rng: random.Random, rate: float, burstiness: float = 1.0) -> float:

@@ -26,6 +26,12 @@ class SLO:
     ttft_ms: float | None = 300.0
     tpot_ms: float | None = 50.0
 
+    def __post_init__(self) -> None:
+        for name in ("ttft_ms", "tpot_ms"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"SLO {name} must be > 0 (None: no limit), got {value}")
+
     def to_dict(self) -> dict[str, float | None]:
         return {"ttft_ms": self.ttft_ms, "tpot_ms": self.tpot_ms}
 
@@ -61,10 +67,12 @@ def tpot(e2e_s: float, ttft_s: float, output_tokens: int) -> float | None:
 
 
 def meets_slo(record: RequestRecord, slo: SLO) -> bool:
-    """True if the request succeeded within both targets (one-token answers have no TPOT)."""
-    if not record.ok or record.ttft_s is None:
+    """True if the request succeeded within both targets (one-token answers have no TPOT). An
+    empty answer has no first token: its whole answer came at e2e, which the TTFT limit holds."""
+    first = record.ttft_s if record.ttft_s is not None else record.e2e_s
+    if not record.ok or first is None:
         return False
-    if slo.ttft_ms is not None and record.ttft_s * 1000 > slo.ttft_ms:
+    if slo.ttft_ms is not None and first * 1000 > slo.ttft_ms:
         return False
     per_token = record.tpot_s
     return slo.tpot_ms is None or per_token is None or per_token * 1000 <= slo.tpot_ms

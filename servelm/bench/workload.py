@@ -39,7 +39,7 @@ class WorkloadSpec:
     output_len: int = 250
     prefix_len: int = 0
     len_dist: str = "fixed"
-    len_spread: float = 0.5  # uniform: +-spread*mean; lognormal: sigma
+    len_spread: float = 0.5  # uniform: +-spread*mean (below 1); lognormal: sigma
     dataset: str | None = None
 
     def __post_init__(self) -> None:
@@ -47,6 +47,7 @@ class WorkloadSpec:
             raise ValueError(f"len_dist must be one of {LENGTH_DISTS}, got {self.len_dist!r}")
         if self.input_len < 0 or self.output_len < 1 or self.prefix_len < 0:
             raise ValueError("need input_len >= 0, output_len >= 1, prefix_len >= 0")
+        check_spread(self.len_dist, self.len_spread)
 
     @classmethod
     def from_preset(cls, preset: str = "chat", **overrides: Any) -> WorkloadSpec:
@@ -65,7 +66,7 @@ class WorkloadSpec:
 @dataclass(frozen=True)
 class RequestSpec:
     """One request's content. Chat sends `messages`, or [system?, user=prompt];
-    completions sends system + prompt as one string (a `messages`-only request cannot)."""
+    completions sends `completion_prompt(system, prompt)` (a `messages`-only request cannot)."""
 
     index: int
     prompt: str | None = None
@@ -75,11 +76,31 @@ class RequestSpec:
     output_tokens: int | None = None  # max_tokens to ask for
 
 
+def completion_prompt(system: str | None, prompt: str) -> str:
+    """The one string the completions endpoint gets for a system prompt and a prompt: joined
+    by the space PromptBuilder's words are one token after, so the lengths add up exactly."""
+    return f"{system} {prompt}" if system else prompt
+
+
+def check_spread(dist: str, spread: float) -> None:
+    """ValueError for a spread `sample_length` cannot draw around its mean."""
+    if not spread >= 0:
+        raise ValueError(f"len_spread must be >= 0, got {spread:g}")
+    if dist == "uniform" and spread >= 1:
+        # mean +- spread*mean would reach lengths below 1; clamped to 1, they would raise the
+        # mean above the one asked for (by a quarter at 1.5)
+        raise ValueError(
+            f"len_spread for uniform lengths must be below 1 (mean +- spread x mean), got "
+            f"{spread:g}; lognormal lengths spread wider"
+        )
+
+
 def sample_length(rng: random.Random, mean: int, dist: str, spread: float) -> int:
     """A length drawn from `dist` around `mean`; never below 1 (0 only for a fixed 0)."""
     if dist == "fixed" or mean == 0:
         return mean
     if dist == "uniform":
+        check_spread(dist, spread)
         low = shortest_length(mean, dist, spread)
         return rng.randint(low, max(low, round(mean * (1 + spread))))
     if dist == "lognormal":  # mu chosen so that the mean is `mean`
@@ -118,6 +139,10 @@ class PromptBuilder:
 
     def count(self, text: str) -> int:
         return len(self._tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def count_many(self, texts: Sequence[str]) -> list[int]:
+        encoded = self._tokenizer.encode_batch(list(texts), add_special_tokens=False)
+        return [len(enc.ids) for enc in encoded]
 
     def build(self, rng: random.Random, num_tokens: int) -> tuple[str, int]:
         """(text, its real token count); the count is exact unless the tokenizer resists."""
@@ -195,10 +220,9 @@ class Workload:
         self._builder = builder
         self._dataset = dataset
         self.system: str | None = None
-        self._system_tokens = 0
         if dataset is None and spec.prefix_len > 0 and builder is not None:
             rng = random.Random(f"{seed}/prefix")
-            self.system, self._system_tokens = builder.build(rng, spec.prefix_len)
+            self.system, _ = builder.build(rng, spec.prefix_len)
 
     def request(self, index: int, stream: str = "main") -> RequestSpec:
         return self.requests([index], stream)[0]
@@ -222,15 +246,21 @@ class Workload:
             for _, rng, _ in drawn
         ]
         built = self._builder.build_many(jobs)
+        if self.system is None:
+            counts = [count for _, count in built]
+        else:  # what is sent as one text, counted as one (exact for most tokenizers anyway)
+            counts = self._builder.count_many(
+                [completion_prompt(self.system, prompt) for prompt, _ in built]
+            )
         return [
             RequestSpec(
                 index=index,
                 prompt=prompt,
                 system=self.system,
-                prompt_tokens=count + self._system_tokens,
+                prompt_tokens=count,
                 output_tokens=output_len,
             )
-            for (index, _, output_len), (prompt, count) in zip(drawn, built, strict=True)
+            for (index, _, output_len), (prompt, _), count in zip(drawn, built, counts, strict=True)
         ]
 
     def _dataset_request(self, index: int, item: dict[str, Any], output_len: int) -> RequestSpec:
@@ -267,11 +297,26 @@ def load_dataset(path: str | Path) -> list[dict[str, Any]]:
         ok_messages = isinstance(item, dict) and isinstance(item.get("messages"), list)
         if not (ok_prompt or ok_messages):
             raise ValueError(f'{path}:{lineno}: need a "prompt" string or a "messages" list')
+        if not ok_prompt:
+            _check_messages(item["messages"], f"{path}:{lineno}")
         max_tokens = item.get("max_tokens")
         if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
             raise ValueError(f"{path}:{lineno}: max_tokens must be a positive integer")
         items.append(item)
     return items
+
+
+def _check_messages(messages: list[Any], where: str) -> None:
+    """A chat dataset line's messages: objects with a role, as the chat API takes them (their
+    content is the server's to judge); anything else would fail only once the run began."""
+    if not messages:
+        raise ValueError(f'{where}: "messages" is empty')
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ValueError(
+                f'{where}: message {i} must be an object with a "role" string, '
+                f"got {json.dumps(message)[:60]}"
+            )
 
 
 def load_tokenizer(path: str | Path | None) -> Tokenizer:

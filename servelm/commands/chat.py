@@ -2,7 +2,9 @@
 
 Every turn sends the whole conversation. A message the engine refuses (the conversation would
 outgrow the context) is left out, with a line saying so, and the session goes on; `/reset`
-starts a new conversation."""
+starts a new conversation. Ctrl-C while the model answers stops that answer (the engine drops
+the request) and leaves the message out, as a refused one; at the prompt it ends the session
+(`servelm.cli.main`: one line, exit 130)."""
 
 from __future__ import annotations
 
@@ -31,6 +33,12 @@ def say(text: str) -> None:
     print(f"servelm chat: {text}", file=sys.stderr)
 
 
+def _end_line() -> None:
+    """A new line after the ^C a terminal echoes, so that what follows starts its own."""
+    if sys.stderr.isatty():
+        print(file=sys.stderr)
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING)
     llm = start_llm(args)
@@ -44,6 +52,9 @@ def run(args: argparse.Namespace) -> int:
             line = input("> ").strip()
         except EOFError:
             break
+        except KeyboardInterrupt:
+            _end_line()
+            raise
         if not line:
             break
         if line == RESET:
@@ -53,6 +64,13 @@ def run(args: argparse.Namespace) -> int:
         asked = {"role": "user", "content": line}
         try:
             out = llm.chat([*messages, asked], params)[0].outputs[0]
+        except KeyboardInterrupt:  # (taken between steps, the request aborted: all clean)
+            _end_line()
+            say(
+                "interrupted: that answer is dropped and its message left out of the "
+                "conversation; empty line or Ctrl-D to quit"
+            )
+            continue
         except ValueError as exc:
             # Each turn sends the whole conversation, which in time outgrows the context (or
             # the engine refuses this message): the session goes on, the conversation as it

@@ -292,11 +292,26 @@ def _normalise(name: str) -> str:
 
 
 def get_model(name: str) -> ModelShape:
-    """Look up a catalog model by key or hub id ("llama-3.1-8b", "Qwen/Qwen2.5-7B-Instruct")."""
+    """Look up a catalog model by key or hub id ("llama-3.1-8b", "Qwen/Qwen2.5-7B-Instruct").
+
+    A hub id is matched by its name (a base model's id finds its instruct model's shape, the
+    same one), but only under the owner of the catalog entry's `hf_id`: another owner's repo
+    of that name may hold any model, and the planner reads no hub to know which."""
     shape = MODELS.get(_normalise(name))
+    owner = name.rsplit("/", 1)[0] if "/" in name else None
+    if shape is not None and owner is not None and shape.hf_id:
+        catalog_owner = shape.hf_id.split("/", 1)[0]
+        if owner.lower() != catalog_owner.lower():
+            raise ShapeError(
+                f"unknown model {name!r}: the catalog's {shape.name} is {catalog_owner}'s "
+                f"({shape.hf_id}); for another repository, pass a folder with its config.json "
+                f"(`servelm fetch {name}` prints one)"
+            )
     if shape is None:
+        fetch = f": `servelm fetch {name}` prints one" if owner is not None else ""
         raise ShapeError(
-            f"unknown model {name!r}; known: {', '.join(MODELS)} (or a folder with config.json)"
+            f"unknown model {name!r}; known: {', '.join(MODELS)} (or a folder with "
+            f"config.json{fetch})"
         )
     return shape
 

@@ -11,32 +11,74 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
+from collections.abc import Callable
 
 from rich.console import Console
 from rich.table import Table
 
+from servelm.config import fraction, positive_int
 from servelm.planner.catalog import GB, GPUS, MODELS, GpuSpec, get_gpu, resolve_model
 from servelm.planner.plan import Plan, PlanError, plan
 from servelm.planner.shapes import KV_BYTES, WEIGHT_BYTES, ShapeError
 
 
+def bounded_float(least: float, strict: bool) -> Callable[[str], float]:
+    """An argparse type: a finite number above `least` (`strict`) or from it up; anything else
+    is a usage error naming the flag. A memory, bandwidth or time of 0 or less would give a
+    plan (or a simulation) of negative memory or time, or be taken for the flag left out."""
+    bound = f"> {least:g}" if strict else f">= {least:g}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan  # fails the test below
+        if not math.isfinite(value) or value < least or (strict and value == least):
+            raise argparse.ArgumentTypeError(f"not a number {bound}: {text!r}")
+        return value
+
+    parse.__name__ = "number"  # the type argparse names in "invalid ... value"
+    return parse
+
+
+positive_number = bounded_float(0, strict=True)
+non_negative_number = bounded_float(0, strict=False)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", help="catalog name, hub id, or folder with config.json")
+    parser.add_argument(
+        "model",
+        nargs="?",
+        help="catalog name (see --list) or its hub id (Qwen/Qwen2.5-7B-Instruct), or a local "
+        "model folder / config.json (for another hub model: the folder `servelm fetch` prints)",
+    )
     parser.add_argument("--gpu", default="h100-80gb", help=f"one of {', '.join(GPUS)}, or custom")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (default 1)")
+    parser.add_argument(
+        "--tp", type=positive_int, default=1, help="tensor-parallel GPUs (default 1)"
+    )
     parser.add_argument("--dtype", default="bf16", choices=sorted(WEIGHT_BYTES), help="weights")
     parser.add_argument("--kv-dtype", default="bf16", choices=sorted(KV_BYTES), help="KV cache")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--max-model-len", type=int, default=None, help="default: model maximum")
-    parser.add_argument("--typical-len", type=int, default=2500, help="tokens in a typical request")
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--gpu-memory-utilization", type=fraction, default=0.9)
     parser.add_argument(
-        "--allowance-gb", type=float, default=2.0, help="activations + CUDA graphs per GPU (GB)"
+        "--max-model-len", type=positive_int, default=None, help="default: model maximum"
     )
-    parser.add_argument("--gpu-memory-gb", type=float, help="override GPU memory (GB)")
-    parser.add_argument("--gpu-bandwidth-gbs", type=float, help="override HBM bandwidth (GB/s)")
-    parser.add_argument("--gpu-tflops", type=float, help="override dense TFLOP/s")
+    parser.add_argument(
+        "--typical-len", type=positive_int, default=2500, help="tokens in a typical request"
+    )
+    parser.add_argument("--block-size", type=positive_int, default=16)
+    parser.add_argument(
+        "--allowance-gb",
+        type=non_negative_number,
+        default=2.0,
+        help="activations + CUDA graphs per GPU (GB)",
+    )
+    parser.add_argument("--gpu-memory-gb", type=positive_number, help="override GPU memory (GB)")
+    parser.add_argument(
+        "--gpu-bandwidth-gbs", type=positive_number, help="override HBM bandwidth (GB/s)"
+    )
+    parser.add_argument("--gpu-tflops", type=positive_number, help="override dense TFLOP/s")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--list", action="store_true", help="list catalog models and GPUs")
 

@@ -2,16 +2,17 @@
 
 servelm simulate --model llama-3.1-8b --gpu h100-80gb --preset chat --sweep-rate 2,4,8,16,24,32
 servelm simulate --preset rag --find-capacity --replicas 2 --policy least-loaded
-servelm simulate --target-rate 100 --out sim.json --plot plots/
+servelm simulate --sweep-rate 10,20,40 --target-rate 100 --out sim.json --plot plots/
 servelm simulate --calibrate --profile-out cpu.json     # time this machine's real engine
 servelm simulate --profile cpu.json --rate 1             # simulate with the fitted profile
 servelm simulate --calibrate-trace steps.jsonl --calibrate-bench bench.json --num-blocks N
                                   # fit to a real server's steps (serve --step-trace) and bench
 
 Exit status: 0 on success (requests the engine refuses are counted and a sample reason is
-printed), 2 on bad arguments, an unknown model / GPU / profile file, or a deployment that would
+printed), 2 on bad arguments (an --out, --plot or --profile-out that could not be written, a
+capacity search without an SLO), an unknown model / GPU / profile file, a deployment that would
 refuse every request (a prompt beyond the context or the KV pool, as `servelm plan` refuses a
---max-model-len beyond the model's).
+--max-model-len beyond the model's), or a --target-rate no number of replicas meets.
 """
 
 from __future__ import annotations
@@ -26,18 +27,20 @@ from pathlib import Path
 
 from rich.console import Console
 
+from servelm.bench.outputs import check_out_file, check_out_folder
 from servelm.bench.report import error_lines, report_console, server_table, summary_table
 from servelm.bench.results import BenchResult, Load
 from servelm.bench.stats import SLO
 from servelm.bench.workload import LENGTH_DISTS, PRESETS, WorkloadSpec
-from servelm.config import scheduler_limit
+from servelm.config import fraction, positive_int, scheduler_limit
 from servelm.planner.catalog import GPUS
+from servelm.planner.command import non_negative_number, positive_number
 from servelm.planner.shapes import KV_BYTES, WEIGHT_BYTES, ShapeError
 from servelm.sim.config import POLICIES, SimConfig, resolve
 from servelm.sim.fit import NEVER_BINDS
 from servelm.sim.profiles import load_profile
 from servelm.sim.roofline import DeviceProfile
-from servelm.sim.sweep import replicas_for_rate, run_sweep, search_capacity
+from servelm.sim.sweep import check_has_slo, replicas_for_rate, run_sweep, search_capacity
 
 DEFAULT_MODEL = "llama-3.1-8b"
 
@@ -50,14 +53,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     dep.add_argument("--profile", help="device profile JSON (from --calibrate) instead of --gpu")
     dep.add_argument("--dtype", default="bf16", choices=sorted(WEIGHT_BYTES))
     dep.add_argument("--kv-dtype", default="bf16", choices=sorted(KV_BYTES))
-    dep.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs per replica")
-    dep.add_argument("--replicas", type=int, default=1)
+    dep.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel GPUs per replica")
+    dep.add_argument("--replicas", type=positive_int, default=1)
     dep.add_argument("--policy", choices=POLICIES, default="round-robin", help="routing")
-    dep.add_argument("--num-blocks", type=int, help="KV blocks per replica (default: planner)")
-    dep.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    dep.add_argument("--allowance-gb", type=float, default=2.0)
-    dep.add_argument("--kv-cache-gb", type=float, help="KV pool per replica (measured profiles)")
-    dep.add_argument("--block-size", type=int, default=16)
+    dep.add_argument("--num-blocks", type=positive_int,
+                     help="KV blocks per replica (default: planner)")  # fmt: skip
+    dep.add_argument("--gpu-memory-utilization", type=fraction, default=0.9)
+    dep.add_argument("--allowance-gb", type=non_negative_number, default=2.0)
+    dep.add_argument("--kv-cache-gb", type=positive_number,
+                     help="KV pool per replica (measured profiles)")  # fmt: skip
+    dep.add_argument("--block-size", type=positive_int, default=16)
     dep.add_argument("--max-num-seqs", type=scheduler_limit("max_num_seqs"),
                      help="default: 256 on a --gpu, servelm serve's default with --profile")  # fmt: skip
     dep.add_argument("--max-num-batched-tokens", type=scheduler_limit("max_num_batched_tokens"),
@@ -65,10 +70,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     dep.add_argument("--max-prefill-admit-tokens", type=scheduler_limit("max_prefill_admit_tokens"),
                      help="as servelm serve's flag; default: 0 (none) on a --gpu, serve's with "
                      "--profile")  # fmt: skip
-    dep.add_argument("--max-model-len", type=int)
+    dep.add_argument("--max-model-len", type=positive_int)
     dep.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
     dep.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
-    dep.add_argument("--per-request-us", type=float,
+    dep.add_argument("--per-request-us", type=non_negative_number,
                      help="host time per scheduled request per step (default: 20 on a GPU)")  # fmt: skip
 
     work = parser.add_argument_group("workload (as servelm bench)")
@@ -78,7 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--output-len", type=int)
     work.add_argument("--prefix-len", type=int)
     work.add_argument("--len-dist", choices=LENGTH_DISTS, default="fixed")
-    work.add_argument("--len-spread", type=float, default=0.5)
+    work.add_argument("--len-spread", type=float, default=0.5,
+                      help="uniform: +-spread*mean (below 1); lognormal: sigma")  # fmt: skip
     work.add_argument("--seed", type=int, default=0)
 
     load = parser.add_argument_group("load")
@@ -86,23 +92,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     levels.add_argument("--rate", type=float, help="requests/s (Poisson; see --burstiness)")
     levels.add_argument("--sweep-rate", help="comma list of rates, e.g. 2,4,8,16")
     load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
-    load.add_argument("--num-requests", type=int, default=2000, help="per level")
+    load.add_argument("--num-requests", type=positive_int, default=2000, help="per level")
     load.add_argument("--find-capacity", action="store_true", help="bisect for the capacity")
-    load.add_argument("--target-rate", type=float, help="report replicas needed for this rate")
+    load.add_argument("--target-rate", type=positive_number,
+                      help="report replicas needed for this rate")  # fmt: skip
 
     rep = parser.add_argument_group("report")
-    rep.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="0 = no TTFT limit")
-    rep.add_argument("--slo-tpot-ms", type=float, default=0.0, help="0 = no TPOT limit")
-    rep.add_argument("--slo-threshold", type=float, default=0.99,
+    rep.add_argument("--slo-ttft-ms", type=non_negative_number, default=1000.0,
+                     help="0 = no TTFT limit")  # fmt: skip
+    rep.add_argument("--slo-tpot-ms", type=non_negative_number, default=0.0,
+                     help="0 = no TPOT limit (a capacity search needs one of the two)")  # fmt: skip
+    rep.add_argument("--slo-threshold", type=fraction, default=0.99,
                      help="share of requests within the SLO (0.99: TTFT p99 under the SLO)")  # fmt: skip
     rep.add_argument("--record-itl", action="store_true", help="keep every inter-token gap")
-    rep.add_argument("--out", help="write results as JSON (servelm bench schema)")
-    rep.add_argument("--plot", help="write PNG plots into this folder (servelm bench plots)")
+    rep.add_argument("--out", help="write the --rate / --sweep-rate levels as JSON (servelm "
+                     "bench schema)")  # fmt: skip
+    rep.add_argument("--plot", help="write PNG plots of those levels into this folder")
 
     cal = parser.add_argument_group("calibration (times the real engine on this machine)")
     cal.add_argument("--calibrate", action="store_true", help="fit a profile to this CPU")
     cal.add_argument("--profile-out", default="cpu_profile.json")
-    cal.add_argument("--calibrate-seconds", type=float, default=45.0)
+    cal.add_argument("--calibrate-seconds", type=positive_number, default=45.0,
+                     help="seconds for rounds of timed steps after the model loads (the "
+                     "first round always completes, however long it takes)")  # fmt: skip
     cal.add_argument("--calibrate-clock", choices=["wall", "cpu"], default="wall",
                      help="time steps by wall time (default) or CPU time / threads (for a "
                      "shared machine; undercounts multi-threaded steps)")  # fmt: skip
@@ -152,9 +164,13 @@ def config_from_args(args: argparse.Namespace, profile_model: str | None = None)
         num_requests=args.num_requests,
         seed=args.seed,
         record_itl=args.record_itl,
-        slo=SLO(ttft_ms=args.slo_ttft_ms or None, tpot_ms=args.slo_tpot_ms or None),
+        slo=slo_from_args(args),
         capacity_threshold=args.slo_threshold,
     )
+
+
+def slo_from_args(args: argparse.Namespace) -> SLO:
+    return SLO(ttft_ms=args.slo_ttft_ms or None, tpot_ms=args.slo_tpot_ms or None)
 
 
 def loads_from_args(args: argparse.Namespace) -> list[Load]:
@@ -170,16 +186,23 @@ def loads_from_args(args: argparse.Namespace) -> list[Load]:
 def run(args: argparse.Namespace) -> int:
     console = report_console()
     try:
+        loads = loads_from_args(args)
+        # what this run will do, checked before any of it (calibrating takes a minute, a
+        # capacity search many): a file it could not write, a search it could not end
+        calibrate_only = (args.calibrate or args.calibrate_trace) and not (
+            loads or args.find_capacity or args.target_rate
+        )
+        search = not calibrate_only and bool(args.find_capacity or args.target_rate or not loads)
+        _check_outputs(args, loads)
+        if search:
+            check_has_slo(slo_from_args(args))
         profile_model = _profile_from_args(args, console)
-        if (args.calibrate or args.calibrate_trace) and not (
-            args.rate or args.sweep_rate or args.find_capacity
-        ):
+        if calibrate_only:
             return 0
         config = config_from_args(args, profile_model)
         deployment = resolve(config)
-        loads = loads_from_args(args)
     except (ValueError, ShapeError, OSError) as exc:
-        console.print(f"servelm simulate: {exc}", style="red", markup=False, highlight=False)
+        _error(console, exc)
         return 2
     c = deployment.scheduler
     console.print(
@@ -189,8 +212,6 @@ def run(args: argparse.Namespace) -> int:
         + (f", new prompts admitted below {cap}" if (cap := c.max_prefill_admit_tokens) else ""),
         highlight=False,
     )
-    if not loads and not args.target_rate:
-        args.find_capacity = True
     if loads:
         result = run_sweep(config, loads)
         _print_result(result, console)
@@ -203,22 +224,47 @@ def run(args: argparse.Namespace) -> int:
             for path in plot_results([result.to_dict()], args.plot, ["simulated"]):
                 console.print(f"wrote {path}", highlight=False)
     per_replica = None
-    if args.find_capacity or args.target_rate:
+    if search:
         found = search_capacity(config.with_(replicas=1), burstiness=args.burstiness)
         per_replica = found.rate
         console.print(f"capacity of one replica: [bold]{found.rate:.2f} req/s[/] ({_slo(config)})")
-        if config.replicas > 1 and args.find_capacity:
+        if config.replicas > 1 and args.find_capacity and found.rate > 0:
             fleet = config.with_(num_requests=config.num_requests * config.replicas)
             total = search_capacity(fleet, start=found.rate, burstiness=args.burstiness).rate
             console.print(f"capacity of {config.replicas} replicas ({config.policy}): {total:.2f}")
     if args.target_rate:
-        n, attained = replicas_for_rate(config, args.target_rate, per_replica)
+        try:
+            n, attained = replicas_for_rate(
+                config, args.target_rate, per_replica, burstiness=args.burstiness
+            )
+        except ValueError as exc:  # no number of replicas meets the SLO: one line, as above
+            _error(console, exc)
+            return 2
         console.print(
             f"replicas for {args.target_rate:g} req/s: [bold]{n}[/] "
-            f"({attained:.1%} of requests within the SLO; {math.ceil(args.target_rate / per_replica) if per_replica else '-'} "
-            f"by capacity arithmetic)"
+            f"({attained:.1%} of requests within the SLO; "
+            f"{math.ceil(args.target_rate / per_replica)} by capacity arithmetic)"
         )
     return 0
+
+
+def _error(console: Console, exc: Exception) -> None:
+    console.print(f"servelm simulate: {exc}", style="red", markup=False, highlight=False)
+
+
+def _check_outputs(args: argparse.Namespace, loads: list[Load]) -> None:
+    """ValueError for a file this run is asked to write but could not, or would not write."""
+    if (args.out or args.plot) and not loads:
+        raise ValueError(
+            "--out and --plot write the levels of --rate or --sweep-rate; a capacity search "
+            "alone has none to write"
+        )
+    if args.out:
+        check_out_file(args.out, "--out")
+    if args.plot:
+        check_out_folder(args.plot, "--plot")
+    if args.calibrate or args.calibrate_trace:
+        check_out_file(args.profile_out, "--profile-out")
 
 
 def _profile_from_args(args: argparse.Namespace, console: Console) -> str | None:
@@ -232,7 +278,8 @@ def _profile_from_args(args: argparse.Namespace, console: Console) -> str | None
             cal = calib.calibrate_from_trace(args.calibrate_trace, args.calibrate_model)
         else:
             console.print(
-                f"calibrating for up to {args.calibrate_seconds:g} s (plus model load)..."
+                f"calibrating: rounds of timed steps for {args.calibrate_seconds:g} s after the "
+                "model loads (the first round always completes, however long it takes)..."
             )
             cal = calib.calibrate(
                 args.calibrate_model, budget_s=args.calibrate_seconds, clock=args.calibrate_clock

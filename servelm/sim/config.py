@@ -83,6 +83,18 @@ class SimConfig:
             raise ValueError("num_requests must be >= 1")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError("num_blocks must be >= 1")
+        # (the command line's flags are checked as they are parsed, by name and in their
+        # units; these hold for a SimConfig made in Python)
+        if self.tp < 1 or self.block_size < 1:
+            raise ValueError(f"tp and block_size must be >= 1, got {self.tp}, {self.block_size}")
+        if self.kv_cache_gb is not None and not self.kv_cache_gb > 0:
+            raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
+        if self.per_request_s is not None and not self.per_request_s >= 0:
+            raise ValueError(f"per_request_s must be >= 0, got {self.per_request_s}")
+        if not 0 < self.capacity_threshold <= 1:
+            raise ValueError(
+                f"capacity_threshold is a share of requests, in (0, 1]; got {self.capacity_threshold}"
+            )
 
     def with_(self, **changes: Any) -> SimConfig:
         return replace(self, **changes)

@@ -39,6 +39,7 @@ class ProfileFile:
         }
 
     def write(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)  # as a results file's is made
         Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
 
 

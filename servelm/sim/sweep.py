@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from servelm.bench.results import BenchResult, Load, RequestRecord, RunResult, capacity_block
-from servelm.bench.stats import summarize
+from servelm.bench.stats import SLO, summarize
 from servelm.sim.config import Deployment, SimConfig, resolve
 from servelm.sim.simulator import LevelOutcome, RequestResult, paused_gc, simulate
 from servelm.sim.workload import build_requests
@@ -154,7 +154,12 @@ def search_capacity(
     A probe sends `config.num_requests`, or more so that arrivals span at least `min_span_s`:
     a level much shorter than a request's own latency ends before any queue builds, and
     short levels overstate capacity.
+
+    Needs an SLO (a TTFT or a TPOT limit): without one every request that is served "meets"
+    it, at any rate, and the search would double the rate to `max_rate`, simulating
+    `rate x min_span_s` requests a probe.
     """
+    check_has_slo(config.slo)
     deployment = resolve(config)
     threshold = config.capacity_threshold
     probes: list[tuple[float, float]] = []
@@ -191,29 +196,47 @@ def search_capacity(
     return CapacityResult(lo, probes)
 
 
+def check_has_slo(slo: SLO) -> None:
+    """ValueError unless `slo` sets a TTFT or a TPOT limit (what capacity is measured at)."""
+    if slo.ttft_ms is None and slo.tpot_ms is None:
+        raise ValueError("finding capacity needs an SLO: --slo-ttft-ms or --slo-tpot-ms")
+
+
 def replicas_for_rate(
     config: SimConfig,
     target_rate: float,
     per_replica: float | None = None,
     max_replicas: int = 64,
     min_span_s: float = 30.0,
+    burstiness: float = 1.0,
 ) -> tuple[int, float]:
     """Fewest replicas that meet the SLO at `target_rate`; returns (replicas, attainment).
 
     Starts from ceil(target / single-replica capacity) and adds replicas until a simulation
     at the target rate (num_requests x replicas requests, so each replica sees a full level,
-    spanning at least `min_span_s`) meets the SLO.
+    spanning at least `min_span_s`) meets the SLO. ValueError when no count up to
+    `max_replicas` does, at once where one replica meets the SLO at no rate: a request
+    alone on a replica already misses it, and more replicas only share out the requests.
     """
     if target_rate <= 0:
         raise ValueError("target rate must be > 0")
+    check_has_slo(config.slo)
     if per_replica is None:
-        per_replica = search_capacity(config.with_(replicas=1), min_span_s=min_span_s).rate
-    n = max(1, math.ceil(target_rate / per_replica)) if per_replica > 0 else 1
+        found = search_capacity(
+            config.with_(replicas=1), min_span_s=min_span_s, burstiness=burstiness
+        )
+        per_replica = found.rate
+    if per_replica <= 0:
+        raise ValueError(
+            f"one replica misses the SLO even at the lowest rate tried, so no number of "
+            f"replicas meets it at {target_rate:g} req/s (loosen the SLO or its threshold)"
+        )
+    n = max(1, math.ceil(target_rate / per_replica))
     attained = 0.0
     while n <= max_replicas:
         count = max(config.num_requests * n, math.ceil(target_rate * min_span_s))
         cfg = config.with_(replicas=n, num_requests=count)
-        attained = meets_at(resolve(cfg), target_rate)
+        attained = meets_at(resolve(cfg), target_rate, burstiness)
         if attained >= config.capacity_threshold:
             return n, attained
         n += 1

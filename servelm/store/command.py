@@ -2,7 +2,7 @@
 `servelm fetch --verify DIR`: hash a prepared folder again against its manifest.
 
 Printing only the path on stdout (progress and errors go to stderr) lets scripts write
-`servelm serve --model "$(servelm fetch org/name)"`. `--verify` is what a cluster's init
+`servelm serve "$(servelm fetch org/name)"`. `--verify` is what a cluster's init
 container runs before the engine starts: exit 0 and one line when every file is intact, else
 exit 1 and one line per bad or missing file.
 """
