@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import itertools
 import logging
+import signal
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +66,7 @@ class LLM:
         # One call drives the engine at a time: it is not thread-safe (a second thread stepping
         # it mid-step corrupts the runner's batch, or kills the process), so others wait.
         self._lock = threading.Lock()
+        self._interrupted = False  # a Ctrl-C held until the current step ends
 
     def default_sampling_params(self, **overrides: Any) -> SamplingParams:
         return default_sampling_params(self.tokenizer, **overrides)
@@ -100,8 +103,36 @@ class LLM:
             (self._prompt_ids(i, prompt), self._checked_params(i, params))
             for i, (prompt, params) in enumerate(zip(prompts, sampling_params, strict=True))
         ]
-        with self._lock:
+        with self._lock, self._ctrl_c_between_steps():
             return self._generate(prompts, requests, priority)
+
+    @contextmanager
+    def _ctrl_c_between_steps(self) -> Iterator[None]:
+        """Ctrl-C taken between two engine steps, never inside one. A step publishes the
+        prefix-cache hashes of the KV blocks it is about to fill before it fills them: a
+        KeyboardInterrupt raised mid-step left them cached unwritten once the request was
+        aborted, and a later prompt sharing the prefix read garbage from them. So SIGINT only
+        marks the interrupt and `_run` raises it before the next step. (Only where signals
+        arrive, the main thread, and only over Python's own handler: a program's own stays.)"""
+        if (
+            threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+        ):
+            yield
+            return
+
+        def mark(signum: int, frame: object) -> None:
+            self._interrupted = True
+
+        self._interrupted = False
+        previous = signal.signal(signal.SIGINT, mark)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        if self._interrupted:  # (during the last step: the answers are whole, but the user asked)
+            self._interrupted = False
+            raise KeyboardInterrupt
 
     def _generate(
         self,
@@ -213,6 +244,9 @@ class LLM:
         while pending:
             if not self.engine.has_unfinished_requests():
                 raise RuntimeError(f"engine stopped with {len(pending)} requests unanswered")
+            if self._interrupted:  # (see _ctrl_c_between_steps)
+                self._interrupted = False
+                raise KeyboardInterrupt
             outputs, stats = self.engine.step()
             self.totals.add(stats)
             for out in outputs:
