@@ -33,7 +33,7 @@ from servelm.router.ratelimit import Admission, ApiKey, RateLimited, RateLimiter
 from servelm.router.replicas import ReplicaSet, normalize_url, parse_replicas_file
 from servelm.server.access import AccessMiddleware
 from servelm.server.body_limit import BodyLimitMiddleware
-from servelm.server.errors import APIError, error_response
+from servelm.server.errors import APIError, error_response, http_error
 
 logger = logging.getLogger("servelm.router")
 
@@ -239,12 +239,6 @@ async def unless_disconnected(request: Request, work: Coroutine[Any, Any, Respon
     if task.cancelled():
         return Response(status_code=499)  # nobody is listening; the status is for the logs
     return task.result()
-
-
-async def http_error(_: Request, exc: HTTPException) -> Response:
-    """Starlette's own 404 / 405 (no route, wrong method), OpenAI-shaped as every other error;
-    its headers (a 405's Allow) kept."""
-    return error_response(exc.status_code, exc.detail, headers=exc.headers)
 
 
 def build_app(router: Router) -> Starlette:

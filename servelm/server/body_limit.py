@@ -27,15 +27,16 @@ class BodyLimitMiddleware:
         if length is not None and length.isdigit() and int(length) > self.limit:
             await self._drain(receive, int(length))
             return await self._refuse(send)
-        over, started, received = False, False, 0
+        over, started, received, whole = False, False, 0, False
 
         async def limited() -> dict:
-            nonlocal over, received
+            nonlocal over, received, whole
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.limit:  # the app sees the client go away; we answer
                     over = True
+                    whole = not message.get("more_body", False)
                     return {"type": "http.disconnect"}
             return message
 
@@ -52,7 +53,9 @@ class BodyLimitMiddleware:
             if not over:
                 raise
         if over and not started:
-            await self._drain(receive, None)
+            if not whole:  # (a body over the limit in its last chunk has nothing left to read:
+                # waiting for more held the 413 until the client gave up)
+                await self._drain(receive, None)
             await self._refuse(send)
 
     async def _drain(self, receive, length: int | None) -> None:

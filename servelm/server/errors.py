@@ -80,6 +80,19 @@ def error_response(
     )
 
 
+async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Starlette's own errors (no route, wrong method), OpenAI-shaped as every other error,
+    their headers kept (a 405's `Allow`: RFC 9110 requires it). The router's too."""
+    phrase = (
+        HTTPStatus(exc.status_code).phrase
+        if exc.status_code in HTTPStatus._value2member_map_
+        else ""
+    )
+    return error_response(
+        exc.status_code, str(exc.detail or phrase), None, headers=getattr(exc, "headers", None)
+    )
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -103,17 +116,7 @@ def install_error_handlers(app: FastAPI) -> None:
             message += f"; got {got}"
         return error_response(400, message + ".", param)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        phrase = (
-            HTTPStatus(exc.status_code).phrase
-            if exc.status_code in HTTPStatus._value2member_map_
-            else ""
-        )
-        # (a 405's `Allow` header says which methods the path takes: RFC 9110 requires it)
-        return error_response(
-            exc.status_code, str(exc.detail or phrase), None, headers=getattr(exc, "headers", None)
-        )
+    app.add_exception_handler(StarletteHTTPException, http_error)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

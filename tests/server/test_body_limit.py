@@ -49,6 +49,22 @@ def test_a_chunked_body_over_the_limit_is_413(small_limit):
     assert_413(reply)
 
 
+@pytest.mark.parametrize("over", [1, 30, 5000])
+def test_a_chunked_body_over_the_limit_in_its_last_part_is_413_at_once(small_limit, over):
+    # nothing is left to read after that part: the 413 waited for more until the client left
+    def chunks():
+        yield b'{"prompt": "' + b"w" * (64 * 1024 - 12 - 19 + over) + b'", "max_tokens": 1}'
+
+    for _ in range(4):
+        reply = httpx.post(
+            small_limit.base_url + "/completions",
+            content=chunks(),
+            headers={"content-type": "application/json"},
+            timeout=5,
+        )
+        assert_413(reply)
+
+
 def test_an_asyncio_client_still_sending_gets_its_413(small_limit):
     # AsyncOpenAI (httpx on asyncio) writes the whole body before it reads: the 413 reaches it
     # only if the server reads the body it refuses, instead of closing the socket on it.
