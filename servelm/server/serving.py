@@ -35,6 +35,7 @@ from servelm.server.errors import APIError
 from servelm.server.metrics import RequestTimer, ServerMetrics
 from servelm.server.protocol import SamplingFields
 from servelm.server.sse import DONE, error_event, event
+from servelm.structured.matcher import GRAMMAR_ERROR
 
 
 @dataclass
@@ -418,6 +419,12 @@ class Collected:
     prompt_logprobs: list[list[Logprobs | None] | None] = field(default_factory=list)
 
 
+def error_status(engine_error: str) -> int:
+    """The status of a request the engine ended with an error: 400 where the request caused it
+    (a grammar that did not compile), else 500."""
+    return 400 if engine_error.startswith(GRAMMAR_ERROR) else 500
+
+
 async def collect(choices: Choices, n: int, num_prompt: int) -> Collected:
     texts, reasons = [""] * n, [None] * n
     lps: list[list[Logprobs]] = [[] for _ in range(n)]
@@ -433,7 +440,7 @@ async def collect(choices: Choices, n: int, num_prompt: int) -> Collected:
             lps[i] += delta.logprobs or []
             if delta.finished:
                 if delta.error:
-                    raise APIError(500, delta.error)
+                    raise APIError(error_status(delta.error), delta.error)
                 reasons[i] = delta.finish_reason
     except EngineDeadError as exc:  # what a new request would hear, not an unexpected 500
         raise APIError(503, f"The engine failed: {exc}", headers={"Retry-After": "5"}) from None
@@ -471,7 +478,7 @@ async def stream_events(
             completion_tokens += len(delta.token_ids)
             cached = max(cached, delta.num_cached_tokens)
             if delta.error:
-                yield error_event(500, delta.error)
+                yield error_event(error_status(delta.error), delta.error)
                 break
             if (
                 delta.text

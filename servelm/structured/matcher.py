@@ -22,6 +22,11 @@ from servelm.engine.outputs import GrammarBitmask, SchedulerOutput
 from servelm.engine.request import Request
 from servelm.structured.compiler import GrammarCompiler
 
+# How the error of a request whose grammar did not compile starts: the request's own fault, so
+# the server answers it 400 (the API process's check compiles without the whole vocabulary's
+# tables, and a grammar too large for them fails only here).
+GRAMMAR_ERROR = "grammar failed to compile: "
+
 
 class GrammarMatcher:
     """One request's place in its grammar."""
@@ -78,7 +83,9 @@ class StructuredOutputs:
             del self.compiling[rid]
             exc = future.exception()
             if exc is not None:
-                failed.append((request, f"grammar failed to compile: {exc}"))
+                # (its first line: a grammar too large for llguidance panics with a backtrace)
+                why = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+                failed.append((request, GRAMMAR_ERROR + why))
                 continue
             request.grammar = GrammarMatcher(future.result().deep_copy())
             self.live[rid] = request

@@ -11,8 +11,8 @@ from tests.live_server import LiveServer
 MSG = [{"role": "user", "content": "hi"}]
 
 
-def post(server, path, body, **kw):
-    return httpx.post(server.base_url + path, json=body, timeout=30, **kw)
+def post(server, path, body, timeout=30, **kw):
+    return httpx.post(server.base_url + path, json=body, timeout=timeout, **kw)
 
 
 def assert_error(r, status, param=None):
@@ -241,3 +241,12 @@ def test_a_wrong_method_says_which_are_allowed_and_load_balancers_may_probe_with
     assert r.headers["allow"] == "POST"  # RFC 9110 requires it on a 405
     head = httpx.head(server.url + "/health", timeout=30)
     assert head.status_code == 200 and head.content == b""
+
+
+def test_a_grammar_too_large_for_the_engine_is_a_400_without_a_backtrace(server):
+    # the API process's check passes it; only the engine's compile with the vocabulary's tables
+    # fails (llguidance panics past 65,525 symbols): the request's fault, not a 500
+    body = {"prompt": "hi", "max_tokens": 2, "guided_choice": [f"c{i}" for i in range(100_000)]}
+    err = assert_error(post(server, "/completions", body, timeout=120), 400)
+    assert err["message"].startswith("grammar failed to compile") and "\n" not in err["message"]
+    still_serving(server)
