@@ -7,6 +7,7 @@ OpenAI-shaped SSE with known delays and exposes servelm:-named Prometheus metric
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import socket
@@ -14,6 +15,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,6 +26,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+from servelm.bench.command import add_arguments
 
 WORDS = (
     "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november "
@@ -195,3 +199,19 @@ def _running(state: StandIn) -> Iterator[StandIn]:
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """`servelm bench`'s arguments, parsed."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+@pytest.fixture
+def tokenizer_dir(tmp_path: Path, word_tokenizer: Tokenizer) -> str:
+    """A folder holding `word_tokenizer` as tokenizer.json."""
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    word_tokenizer.save(str(folder / "tokenizer.json"))
+    return str(folder)

@@ -4,7 +4,6 @@ stopping on Ctrl-C with what had finished. Against the loopback stand-in server 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -18,26 +17,13 @@ import pytest
 from tokenizers import Tokenizer
 
 from servelm.bench.client import Target, build_payload, send_request
-from servelm.bench.command import add_arguments, run
+from servelm.bench.command import run
 from servelm.bench.results import RequestRecord
 from servelm.bench.stats import SLO, meets_slo, summarize
 from servelm.bench.workload import RequestSpec, WorkloadSpec, build_workload, sample_length
 from servelm.cli import main
+from tests.bench.conftest import parse
 from tests.tiny_model import build_tokenizer
-
-
-def parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    return parser.parse_args(argv)
-
-
-@pytest.fixture
-def tokenizer_dir(tmp_path: Path, word_tokenizer: Tokenizer) -> str:
-    folder = tmp_path / "tok"
-    folder.mkdir()
-    word_tokenizer.save(str(folder / "tokenizer.json"))
-    return str(folder)
 
 
 def one_error_line(capsys) -> str:

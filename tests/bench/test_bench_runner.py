@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import random
@@ -13,10 +12,11 @@ import pytest
 from tokenizers import Tokenizer
 
 from servelm.bench import BenchConfig, Load, WorkloadSpec, load_results, run_benchmark, run_sweep
-from servelm.bench.command import add_arguments, run
+from servelm.bench.command import run
 from servelm.bench.plots import plot_results
 from servelm.bench.runner import inter_arrival
 from servelm.bench.stats import SLO, capacity_at_slo
+from tests.bench.conftest import parse
 
 SMALL = WorkloadSpec(input_len=8, output_len=6)
 
@@ -125,20 +125,6 @@ def test_json_round_trip_and_plots(standin, word_tokenizer: Tokenizer, tmp_path:
         "latency_cdf.png",
     ]
     assert all(p.read_bytes().startswith(b"\x89PNG") for p in pngs)
-
-
-def parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    return parser.parse_args(argv)
-
-
-@pytest.fixture
-def tokenizer_dir(tmp_path: Path, word_tokenizer: Tokenizer) -> str:
-    folder = tmp_path / "tok"
-    folder.mkdir()
-    word_tokenizer.save(str(folder / "tokenizer.json"))
-    return str(folder)
 
 
 def test_command_success(standin, tokenizer_dir: str, tmp_path: Path) -> None:

@@ -14,6 +14,16 @@ import httpx
 from tests.live_server import LiveServer
 
 
+def with_long_context(model_dir, tmp_path):
+    """A copy of the tiny model with a 32k context, for a stream that surely outlasts a test's
+    other requests."""
+    folder = tmp_path / "tiny"
+    shutil.copytree(model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 32768}))
+    return folder
+
+
 def test_a_burst_is_admitted_up_to_the_batch_and_the_queue(tiny_model_dir):
     server = LiveServer(
         tiny_model_dir,
@@ -46,12 +56,7 @@ def test_a_burst_is_admitted_up_to_the_batch_and_the_queue(tiny_model_dir):
 def test_no_waiting_queue_and_priorities_only_under_the_priority_policy(tiny_model_dir, tmp_path):
     """`--max-queued-requests 0`: a request is admitted while the batch has room and refused
     when it would wait; `priority` needs `--scheduling-policy priority` (vLLM's 400 too)."""
-    long_context = tmp_path / "tiny"  # (for a stream that surely outlasts the test's requests)
-    shutil.copytree(tiny_model_dir, long_context)
-    config = json.loads((long_context / "config.json").read_text())
-    (long_context / "config.json").write_text(
-        json.dumps({**config, "max_position_embeddings": 32768})
-    )
+    long_context = with_long_context(tiny_model_dir, tmp_path)
     fcfs = LiveServer(long_context, "--max-num-seqs", "1", "--max-queued-requests", "0")
     try:
         url = fcfs.base_url + "/completions"
@@ -80,12 +85,7 @@ def test_no_waiting_queue_and_priorities_only_under_the_priority_policy(tiny_mod
 def test_the_queue_counts_each_prompt_and_choice(tiny_model_dir, tmp_path):
     """A request of p prompts x n choices is p*n sequences for the batch and the queue: one
     request of 24 prompts x n=16 had filled a queue of 256 that it was admitted to empty."""
-    long_context = tmp_path / "tiny"
-    shutil.copytree(tiny_model_dir, long_context)
-    config = json.loads((long_context / "config.json").read_text())
-    (long_context / "config.json").write_text(
-        json.dumps({**config, "max_position_embeddings": 32768})
-    )
+    long_context = with_long_context(tiny_model_dir, tmp_path)
     server = LiveServer(long_context, "--max-num-seqs", "2", "--max-queued-requests", "2")
     try:
         url = server.base_url + "/completions"
