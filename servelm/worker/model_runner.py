@@ -203,6 +203,23 @@ class ModelRunner:
         }
 
     @property
+    def torch_projections(self) -> int:
+        """Projections some of whose inputs go to torch's matmul (a bfloat16 or float32 weight
+        with no 4-bit or GGUF copy in C for every row count): oneDNN and MKL pick their paths
+        by the row count, so steps through them are not batch invariant. Multiplying them in
+        fixed row chunks, as the logits head does, would be; not done (docs/architecture.md)."""
+        from servelm.model.layers.linear import Linear
+
+        def in_c(copy) -> bool:
+            return copy is not None and copy.kernel is not None and copy.max_rows == ALL_ROWS
+
+        return sum(
+            1
+            for m in self.model.modules()
+            if isinstance(m, Linear) and not (in_c(m.quant) or in_c(m.int4))
+        )
+
+    @property
     def kernel_summary(self) -> str:
         """Which code runs attention (decode, prefill), the element-wise layers and the
         quantized matmuls."""
@@ -214,6 +231,14 @@ class ModelRunner:
             attention = f"C {prefill.name}, as prompt tokens are"
         layers = "C cpu_ops" if self.model.cpu_ops else "torch ops"
         summary = f"{self.paths.summary()}; decode attention: {attention}"
+        torch_matmuls = self.torch_projections
+        if self.paths.invariant and torch_matmuls:  # (the kernels are; these layers are not)
+            summary = summary.replace(
+                "batch invariant",
+                f"batch invariant but for {torch_matmuls} projections in torch (bfloat16 or "
+                "float32 weights: its paths depend on the row count)",
+                1,
+            )
         summary += f"; prefill attention: {prefill_attention}; norm, rotary, SiLU: {layers}"
         if self.int4_layers:  # (which rows, and how: the paths' summary above)
             int4 = "C q4_matmul" if self.quant_kernel else "torch _weight_int4pack_mm"
