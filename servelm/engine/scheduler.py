@@ -174,7 +174,9 @@ class Scheduler:
             if self.kv.allocate_slots(request, num_new, hit_blocks) is None:
                 break
             self.waiting.pop()
-            self.kv.prefix_stats.record(request.num_tokens, num_hit)
+            if self.kv.enable_caching:  # (off: no queries, so a hit-rate panel shows no data,
+                # not 0 %; vLLM's rule too)
+                self.kv.prefix_stats.record(request.num_tokens, num_hit)
             if request.num_cached_tokens < 0:  # first admission (not a resume after preemption)
                 request.num_cached_tokens = num_hit
                 request.scheduled_time = time.time()

@@ -203,6 +203,15 @@ def test_prefix_hit_counted_in_tokens():
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (9, 8)
 
 
+def test_without_prefix_caching_nothing_is_queried():
+    s = make(num_blocks=16, enable_prefix_caching=False)
+    for rid in "ab":
+        s.add_request(req(rid, 9))
+        run_to_end(s)
+    stats = s.make_stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (0, 0)
+
+
 @pytest.mark.parametrize(
     "limit", [{"max_num_seqs": 0}, {"max_num_batched_tokens": 0}, {"max_prefill_admit_tokens": -1}]
 )
