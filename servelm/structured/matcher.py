@@ -83,8 +83,10 @@ class StructuredOutputs:
             del self.compiling[rid]
             exc = future.exception()
             if exc is not None:
-                # (its first line: a grammar too large for llguidance panics with a backtrace)
-                why = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+                # (one line, without the backtrace a grammar too large for llguidance panics with)
+                text = str(exc).split("<backtrace>")[0]
+                why = " ".join(line.strip() for line in text.splitlines() if line.strip())
+                why = why or repr(exc)
                 failed.append((request, GRAMMAR_ERROR + why))
                 continue
             request.grammar = GrammarMatcher(future.result().deep_copy())
