@@ -163,6 +163,31 @@ def _activation(arch: str, cfg: dict[str, Any]) -> str:
     return act
 
 
+# A config.json's `model_type` -> its architecture, for configs that name no `architectures`
+# (the planner's own shapes)
+MODEL_TYPE_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+
+
+def projection_biases(cfg: dict[str, Any]) -> dict[str, bool]:
+    """`_biases` of the model a config.json describes, its architecture read from
+    `architectures` or, where that names none servelm knows, from `model_type` (for
+    `servelm plan`, which sizes what the loader builds)."""
+    archs = cfg.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    return _biases(arch or MODEL_TYPE_ARCHITECTURES.get(cfg.get("model_type"), ""), cfg)
+
+
 def _biases(arch: str, cfg: dict[str, Any]) -> dict[str, bool]:
     """Which projections carry a bias, as transformers' modeling file of each family builds
     them: Qwen2's q/k/v always; `attention_bias` puts one on q/k/v and o (Llama, Qwen3,

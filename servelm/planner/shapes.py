@@ -26,6 +26,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from servelm.model.config import projection_biases
+
 # Bytes per stored element. int4 = 4 bits + one fp16 scale and a 4-bit zero point per
 # group of 128 weights (the usual AWQ / GPTQ layout): 0.5 + 2/128 + 0.5/128.
 WEIGHT_BYTES: dict[str, float] = {
@@ -203,7 +205,7 @@ def shape_from_config(config: dict, name: str = "model") -> ModelShape:
     try:
         hidden = int(config["hidden_size"])
         heads = int(config["num_attention_heads"])
-        qwen2 = config.get("model_type") == "qwen2"
+        biases = projection_biases(config)  # as the loader builds them (model/config.py)
         shape = ModelShape(
             name=name,
             num_layers=int(config["num_hidden_layers"]),
@@ -215,11 +217,9 @@ def shape_from_config(config: dict, name: str = "model") -> ModelShape:
             vocab_size=int(config["vocab_size"]),
             tie_embeddings=bool(config.get("tie_word_embeddings", False)),
             max_context=int(config.get("max_position_embeddings", 4096)),
-            # as transformers builds them: Qwen2 always biases q, k and v, never o_proj or
-            # the MLP, whatever `attention_bias` / `mlp_bias` say
-            qkv_bias=qwen2 or bool(config.get("attention_bias")),
-            o_bias=not qwen2 and bool(config.get("attention_bias")),
-            mlp_bias=not qwen2 and bool(config.get("mlp_bias")),
+            qkv_bias=biases["attention_bias"],
+            o_bias=biases["o_proj_bias"],
+            mlp_bias=biases["mlp_bias"],
             kv_window=_kv_window(config),
             qk_norm=config.get("model_type") in ("qwen3", "qwen3_moe", "gemma3", "gemma3_text"),
             post_norms=config.get("model_type") in ("gemma2", "gemma3", "gemma3_text"),
