@@ -19,7 +19,7 @@ from typing import Any
 from servelm.config import EngineArgs
 from servelm.engine.core_process import bound_openmp_spin
 from servelm.engine.output_processor import OutputProcessor
-from servelm.engine.outputs import SchedulerStats
+from servelm.engine.outputs import ErrorKind, SchedulerStats
 from servelm.engine.outputs_api import CompletionOutput, RequestOutput
 from servelm.engine.requests import child_requests, default_sampling_params
 from servelm.engine.sampling_params import InvalidParamError, SamplingParams
@@ -253,8 +253,9 @@ class LLM:
                 delta = self.processor.process(out)
                 if delta is None:
                     continue
-                if delta.error is not None:  # (a grammar that does not compile: the reason)
-                    raise ValueError(delta.error)
+                if delta.error is not None:  # what the server answers 400 / 500, raised
+                    fault = ValueError if delta.error_kind == ErrorKind.REQUEST else RuntimeError
+                    raise fault(delta.error)
                 result, completion = by_child[out.request_id]
                 completion.text += delta.text
                 completion.token_ids.extend(delta.token_ids)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from servelm.engine.outputs import (
     EngineCoreOutput,
+    ErrorKind,
     ModelRunnerOutput,
     SchedulerOutput,
     SchedulerStats,
@@ -46,6 +47,7 @@ class EngineCore:
         self.structured = structured
 
     def add_request(self, request: Request) -> None:
+        """ValueError: the request cannot be served as it is (its own fault, not the engine's)."""
         if request.sampling_params.structured_output is None:
             self.scheduler.add_request(request)
         elif self.structured is None:
@@ -85,13 +87,15 @@ class EngineCore:
             return []
         idle = not self.scheduler.has_unfinished_requests()
         ready, failed = structured.take_compiled(COMPILE_WAIT_SECONDS if idle else 0.0)
-        outputs = [_final(r, "error", why) for r, why in failed]
+        # Both the request's fault: its grammar, or a prompt the context or KV pool has no room
+        # for (the scheduler refuses those with ValueError, as it would have at add_request).
+        outputs = [_failed(r, why) for r, why in failed]
         for request in ready:
             try:
                 self.scheduler.add_request(request)
             except ValueError as exc:
                 request.grammar = None
-                outputs.append(_final(request, "error", str(exc)))
+                outputs.append(_failed(request, str(exc)))
         return outputs
 
     def check_integrity(self) -> None:
@@ -102,7 +106,7 @@ class EngineCore:
             self.structured.shutdown()
 
 
-def _final(request: Request, reason: str, error: str | None = None) -> EngineCoreOutput:
+def _final(request: Request, reason: str) -> EngineCoreOutput:
     """The last output of a request that ends without a new token."""
     return EngineCoreOutput(
         request_id=request.request_id,
@@ -110,5 +114,11 @@ def _final(request: Request, reason: str, error: str | None = None) -> EngineCor
         finish_reason=reason,
         num_prompt_tokens=request.num_prompt_tokens,
         num_cached_tokens=max(request.num_cached_tokens, 0),
-        error=error,
     )
+
+
+def _failed(request: Request, why: str) -> EngineCoreOutput:
+    """The last output of a request refused for its own fault (`ErrorKind.REQUEST`)."""
+    out = _final(request, "error")
+    out.error, out.error_kind = why, ErrorKind.REQUEST
+    return out

@@ -184,7 +184,7 @@ def _loop(
 
 
 def _add(core, req) -> list:
-    from servelm.engine.outputs import EngineCoreOutput
+    from servelm.engine.outputs import EngineCoreOutput, ErrorKind
 
     request = Request(
         req.request_id,
@@ -198,5 +198,7 @@ def _add(core, req) -> list:
     try:
         core.add_request(request)
     except ValueError as exc:  # validated in the API process already; never crash the loop
-        return [EngineCoreOutput(req.request_id, [], finish_reason="error", error=str(exc))]
+        out = EngineCoreOutput(req.request_id, [], finish_reason="error", error=str(exc))
+        out.error_kind = ErrorKind.REQUEST  # (see EngineCore.add_request)
+        return [out]
     return []

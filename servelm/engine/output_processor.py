@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from servelm.engine.outputs import EngineCoreOutput, Logprobs
+from servelm.engine.outputs import EngineCoreOutput, ErrorKind, Logprobs
 from servelm.engine.sampling_params import SamplingParams
 from servelm.text.tokenizer import TextTokenizer
 
@@ -28,6 +28,7 @@ class TextDelta:
     num_cached_tokens: int = 0
     queued_time: float | None = None
     error: str | None = None
+    error_kind: ErrorKind | None = None  # with `error`: whose fault (unset: the engine's)
     # chat with tools: the OpenAI `delta.tool_calls` entries the API process read from the text
     tool_calls: list[dict] | None = None
     # the prompt's logprobs (first entry None), with a request's first delta when it asked
@@ -80,6 +81,7 @@ class OutputProcessor:
             out.num_cached_tokens,
             out.queued_time,
             out.error,
+            out.error_kind,
         )
         delta.prompt_logprobs = out.prompt_logprobs
         params = state.params

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from servelm.engine.sampling_params import SamplingParams
@@ -109,6 +110,14 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list[Logprobs]]] = field(default_factory=dict)
 
 
+class ErrorKind(StrEnum):
+    """Whose fault it is that the engine ended a request with an error: the server answers the
+    request's own with a 400 (the same request would fail again), the engine's with a 500."""
+
+    REQUEST = "request"  # what it asks cannot be served: no room for its prompt, a bad grammar
+    ENGINE = "engine"  # the engine failed it (a sampled token its grammar rejects)
+
+
 @dataclass(slots=True)
 class EngineCoreOutput:
     """New tokens of one request after one step (what the API process turns into text)."""
@@ -122,6 +131,7 @@ class EngineCoreOutput:
     logprobs: list[Logprobs] | None = None
     queued_time: float | None = None  # seconds between arrival and first schedule
     error: str | None = None
+    error_kind: ErrorKind | None = None  # with `error`: whose fault (unset: the engine's)
     # With the request's first output, when it asked for prompt_logprobs: one entry per prompt
     # token, the first None (nothing precedes it).
     prompt_logprobs: list[Logprobs | None] | None = None

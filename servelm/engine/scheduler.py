@@ -17,6 +17,7 @@ from servelm.config import SCHEDULER_LEAST
 from servelm.engine.kv_cache import KVCacheManager
 from servelm.engine.outputs import (
     EngineCoreOutput,
+    ErrorKind,
     ModelRunnerOutput,
     SchedulerOutput,
     SchedulerStats,
@@ -298,6 +299,8 @@ class Scheduler:
                 out.finish_reason = request.finish_reason.value
                 out.stop_token_id = request.stop_token_id
                 out.error = error
+                if error:  # a sampled token its grammar rejects: the engine's fault
+                    out.error_kind = ErrorKind.ENGINE
             outputs.append(out)
         return outputs
 

@@ -22,7 +22,7 @@ from fastapi import Request
 
 from servelm.engine.client import AsyncEngineClient, EngineDeadError, RequestsStopped
 from servelm.engine.output_processor import TextDelta
-from servelm.engine.outputs import Logprobs
+from servelm.engine.outputs import ErrorKind, Logprobs
 from servelm.engine.requests import choice_params, default_sampling_params
 from servelm.engine.sampling_params import (
     MAX_LOGPROBS,
@@ -35,7 +35,6 @@ from servelm.server.errors import APIError
 from servelm.server.metrics import RequestTimer, ServerMetrics
 from servelm.server.protocol import SamplingFields
 from servelm.server.sse import DONE, error_event, event
-from servelm.structured.matcher import GRAMMAR_ERROR
 
 
 @dataclass
@@ -419,10 +418,10 @@ class Collected:
     prompt_logprobs: list[list[Logprobs | None] | None] = field(default_factory=list)
 
 
-def error_status(engine_error: str) -> int:
-    """The status of a request the engine ended with an error: 400 where the request caused it
-    (a grammar that did not compile), else 500."""
-    return 400 if engine_error.startswith(GRAMMAR_ERROR) else 500
+def error_status(delta: TextDelta) -> int:
+    """The status of a request the engine ended with an error: 400 where the engine says the
+    request caused it (a grammar that did not compile), else 500."""
+    return 400 if delta.error_kind == ErrorKind.REQUEST else 500
 
 
 async def collect(choices: Choices, n: int, num_prompt: int) -> Collected:
@@ -440,7 +439,7 @@ async def collect(choices: Choices, n: int, num_prompt: int) -> Collected:
             lps[i] += delta.logprobs or []
             if delta.finished:
                 if delta.error:
-                    raise APIError(error_status(delta.error), delta.error)
+                    raise APIError(error_status(delta), delta.error)
                 reasons[i] = delta.finish_reason
     except EngineDeadError as exc:  # what a new request would hear, not an unexpected 500
         raise APIError(503, f"The engine failed: {exc}", headers={"Retry-After": "5"}) from None
@@ -478,7 +477,7 @@ async def stream_events(
             completion_tokens += len(delta.token_ids)
             cached = max(cached, delta.num_cached_tokens)
             if delta.error:
-                yield error_event(error_status(delta.error), delta.error)
+                yield error_event(error_status(delta), delta.error)
                 break
             if (
                 delta.text

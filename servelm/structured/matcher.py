@@ -22,9 +22,9 @@ from servelm.engine.outputs import GrammarBitmask, SchedulerOutput
 from servelm.engine.request import Request
 from servelm.structured.compiler import GrammarCompiler
 
-# How the error of a request whose grammar did not compile starts: the request's own fault, so
-# the server answers it 400 (the API process's check compiles without the whole vocabulary's
-# tables, and a grammar too large for them fails only here).
+# How the error of a request whose grammar did not compile starts (the API process's check
+# compiles without the whole vocabulary's tables, and a grammar too large for them fails only
+# here). The engine core ends such a request as its own fault, `ErrorKind.REQUEST`.
 GRAMMAR_ERROR = "grammar failed to compile: "
 
 
