@@ -32,9 +32,11 @@ from servelm.server.protocol import (
     ModelList,
     TokenizeRequest,
 )
+from servelm.server.protocol_responses import ResponsesRequest
 from servelm.server.serving import ServerState
 from servelm.server.serving_chat import ServingChat
 from servelm.server.serving_completion import ServingCompletion
+from servelm.server.serving_responses import ServingResponses
 
 
 def build_app(
@@ -52,6 +54,7 @@ def build_app(
     app.add_middleware(AccessMiddleware, on_status=state.metrics.on_http_status)
     chat = ServingChat(state)
     completion = ServingCompletion(state)
+    responses = ServingResponses(chat)
     tokenizer = state.engine.tokenizer
     app.state.servelm = state
 
@@ -92,6 +95,18 @@ def build_app(
     @app.post("/v1/completions", response_model=Completion, responses=GENERATE)
     async def completions(req: CompletionRequest, raw: Request):
         return await completion.create(req, raw)
+
+    @app.post("/v1/responses", responses=GENERATE)
+    async def create_response(req: ResponsesRequest, raw: Request):
+        return await responses.create(req, raw)
+
+    @app.get("/v1/responses/{response_id}", responses=MODEL)
+    async def get_response(response_id: str) -> JSONResponse:
+        return JSONResponse(responses.get(response_id))
+
+    @app.delete("/v1/responses/{response_id}", responses=MODEL)
+    async def delete_response(response_id: str) -> JSONResponse:
+        return JSONResponse(responses.delete(response_id))
 
     @app.post("/tokenize", response_model=Tokenized, responses=TOKENS)
     async def tokenize(req: TokenizeRequest) -> JSONResponse:

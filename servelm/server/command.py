@@ -64,6 +64,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="how the model writes tool calls (default: from its chat template; hermes)",
     )
+    g.add_argument(
+        "--responses-store-size",
+        type=bounded_int(0),
+        default=1000,
+        help="finished Responses API answers kept in memory for previous_response_id and GET "
+        "/v1/responses/{id} (the newest; 0 keeps none)",
+    )
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -126,6 +133,7 @@ async def serve(args: argparse.Namespace) -> int:
         max_len,
         args.max_queued_requests,
         tool_call_parser=getattr(args, "tool_call_parser", None),
+        responses_store_size=args.responses_store_size,
     )
     app = build_app(state, args.api_key, args.max_request_bytes)
     config = uvicorn.Config(

@@ -46,6 +46,7 @@ class ServerState:
     max_queued_requests: int
     in_flight: int = 0  # engine requests (one per choice) admitted and not yet finished
     tool_call_parser: str | None = None  # --tool-call-parser (None: from the chat template)
+    responses_store_size: int = 0  # --responses-store-size
 
 
 # Text at least this long is tokenized on a worker thread: the tokenizer releases the GIL, so the
@@ -89,9 +90,9 @@ def message_chars(messages: list[dict[str, Any]]) -> int:
     return sum(len(m.get("content") or "") for m in messages)
 
 
-def new_id(prefix: str, scope: dict) -> str:
+def new_id(prefix: str, scope: dict, sep: str = "-") -> str:
     """A new answer id, noted on the request's log line (`access`)."""
-    answer_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
+    answer_id = f"{prefix}{sep}{uuid.uuid4().hex[:24]}"
     note_response_id(scope, answer_id)
     return answer_id
 

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from servelm.engine.outputs import Logprobs
+from servelm.engine.sampling_params import SamplingParams
 from servelm.server.errors import APIError
 from servelm.server.protocol import ChatCompletionRequest, ChatMessage, TokenizeRequest
 from servelm.server.serving import (
+    Choices,
     OpenAIServing,
     cancel_on_disconnect,
     chunk_writer,
@@ -32,6 +35,17 @@ from servelm.server.sse import SSE_HEADERS
 from servelm.server.structured import checked_structure
 from servelm.text.chat_messages import prepare_chat
 from servelm.text.chat_template import ChatTemplateError, TemplateKwargsError
+
+
+@dataclass
+class ChatRun:
+    """A chat request started: its answer id, prompt, parameters, tools and running choices."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    tools: ToolSetup | None
+    choices: Choices
 
 
 class ServingChat(OpenAIServing):
@@ -73,7 +87,11 @@ class ServingChat(OpenAIServing):
         except ChatTemplateError as exc:
             raise APIError(400, str(exc), "messages") from None
 
-    async def create(self, req: ChatCompletionRequest, raw: Request):
+    async def start(
+        self, req: ChatCompletionRequest, raw: Request, id_prefix: str, sep: str = "-"
+    ) -> ChatRun:
+        """Check the request, render its prompt and start its choices (chat completions, and
+        the Responses API, which asks the same of the engine and answers in its own shape)."""
         self.check_model(req.model)
         self.check_logprobs(req.top_logprobs, "top_logprobs")
         for legacy in ("functions", "function_call"):
@@ -105,42 +123,36 @@ class ServingChat(OpenAIServing):
             prompt_logprobs=req.prompt_logprobs,
         )
         self.check_admission(params.n)
-        rid = new_id("chatcmpl", raw.scope)
-        created = int(time.time())
-        model = self.state.model_name
+        rid = new_id(id_prefix, raw.scope, sep)
         choices = self.run_choices(rid, [prompt_ids], params, req.priority, req.cache_salt)
+        return ChatRun(rid, prompt_ids, params, tools, choices)
+
+    async def create(self, req: ChatCompletionRequest, raw: Request):
+        run = await self.start(req, raw, "chatcmpl")
+        created, model, n, num_prompt = (
+            int(time.time()),
+            self.state.model_name,
+            run.params.n,
+            len(run.prompt_ids),
+        )
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            if tools is not None:
-                choices = stream_tool_calls(choices, tools)
+            choices = run.choices
+            if run.tools is not None:
+                choices = stream_tool_calls(choices, run.tools)
             body = self._stream(
-                rid,
-                created,
-                model,
-                params.n,
-                len(prompt_ids),
-                choices,
-                include_usage,
-                req.prompt_logprobs,
+                run.rid, created, model, n, num_prompt, choices, include_usage, req.prompt_logprobs
             )
             return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
-        return JSONResponse(
-            await cancel_on_disconnect(
-                raw,
-                self._full(
-                    rid,
-                    created,
-                    model,
-                    params.n,
-                    len(prompt_ids),
-                    choices,
-                    tools,
-                    req.prompt_logprobs,
-                ),
-            )
+        full = self._full(
+            run.rid, created, model, n, num_prompt, run.choices, run.tools, req.prompt_logprobs
         )
+        return JSONResponse(await cancel_on_disconnect(raw, full))
 
-    def _logprobs_entry(self, lp: Logprobs) -> dict[str, Any]:
+    def logprobs_entry(self, lp: Logprobs) -> dict[str, Any]:
+        """One token's logprobs as OpenAI writes them (chat's `logprobs.content`, and each
+        Responses `output_text` part's `logprobs`)."""
+
         def tok(t: int, v: float) -> dict[str, Any]:
             s = self.tokenizer.decode([t], skip_special_tokens=False)
             return {"token": s, "logprob": v, "bytes": list(self.tokenizer.token_bytes(t))}
@@ -185,7 +197,7 @@ class ServingChat(OpenAIServing):
         }
 
     def _logprobs(self, lps: list[Logprobs]) -> dict[str, Any]:
-        return {"content": [self._logprobs_entry(lp) for lp in lps]}
+        return {"content": [self.logprobs_entry(lp) for lp in lps]}
 
     def _stream(
         self, rid, created, model, n, num_prompt, choices, include_usage, prompt_logprobs=None
