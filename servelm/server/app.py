@@ -20,6 +20,8 @@ from servelm.server.openapi import (
     ChatCompletion,
     Completion,
     Detokenized,
+    ResponseDeleted,
+    ResponseObject,
     Tokenized,
     Version,
     install_openapi,
@@ -96,15 +98,15 @@ def build_app(
     async def completions(req: CompletionRequest, raw: Request):
         return await completion.create(req, raw)
 
-    @app.post("/v1/responses", responses=GENERATE)
+    @app.post("/v1/responses", response_model=ResponseObject, responses=GENERATE)
     async def create_response(req: ResponsesRequest, raw: Request):
         return await responses.create(req, raw)
 
-    @app.get("/v1/responses/{response_id}", responses=MODEL)
+    @app.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=MODEL)
     async def get_response(response_id: str) -> JSONResponse:
         return JSONResponse(responses.get(response_id))
 
-    @app.delete("/v1/responses/{response_id}", responses=MODEL)
+    @app.delete("/v1/responses/{response_id}", response_model=ResponseDeleted, responses=MODEL)
     async def delete_response(response_id: str) -> JSONResponse:
         return JSONResponse(responses.delete(response_id))
 

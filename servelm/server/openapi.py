@@ -15,7 +15,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from servelm.server.errors import ErrorResponse
 from servelm.server.protocol import Usage
@@ -111,6 +111,38 @@ class CompletionChunk(BaseModel):
     usage: Usage | None = None
 
 
+class ResponseObject(BaseModel):
+    """A Responses API answer (`POST /v1/responses`, `GET /v1/responses/{id}`); the request's
+    echoed fields (tools, text, metadata, ...) beside these."""
+
+    model_config = ConfigDict(extra="allow")
+    id: str
+    object: str
+    created_at: int
+    completed_at: int | None
+    status: str
+    error: dict[str, Any] | None
+    incomplete_details: dict[str, Any] | None
+    model: str
+    output: list[dict[str, Any]]
+    usage: dict[str, Any] | None
+
+
+class ResponseStreamEvent(BaseModel):
+    """One event of a streamed Responses API answer (`response.created`, ...,
+    `response.completed`); its other fields by type, as OpenAI documents them."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    sequence_number: int
+
+
+class ResponseDeleted(BaseModel):
+    id: str
+    object: str
+    deleted: bool
+
+
 class Tokenized(BaseModel):
     tokens: list[int]
     count: int
@@ -145,6 +177,8 @@ GENERATE = {
 # Each streamed event (OpenAPI 3.1 has `schema` describe one event of a stream): a chunk, an
 # error object if the request fails mid-stream, then `[DONE]`.
 STREAMS = {"/v1/chat/completions": ChatCompletionChunk, "/v1/completions": CompletionChunk}
+# The Responses API's stream: typed events (`event: <type>` and the event as data), no [DONE].
+TYPED_STREAMS = {"/v1/responses": ResponseStreamEvent}
 TOKENS = _errors(400, 404, 413)
 MODEL = _errors(404)
 HEALTH = {200: {"description": "The engine is running (no body)."}, **_errors(503)}
@@ -188,6 +222,11 @@ def _document(app: FastAPI, api_key: bool, open_paths: frozenset[str]) -> dict[s
         doc["paths"][path]["post"]["responses"]["200"]["content"]["text/event-stream"] = {
             "schema": _event(chunk.__name__)
         }
+    for path, event in TYPED_STREAMS.items():
+        schemas[event.__name__] = event.model_json_schema()
+        doc["paths"][path]["post"]["responses"]["200"]["content"]["text/event-stream"] = {
+            "schema": _typed_event(event.__name__)
+        }
     for path, operations in doc["paths"].items():
         for operation in operations.values():
             operation["responses"].pop("422", None)
@@ -217,18 +256,27 @@ def _bound_token_ids(schemas: dict[str, Any], vocab_size: int) -> None:
             walk(schemas[model]["properties"][field])
 
 
-def _event(chunk: str) -> dict[str, Any]:
-    def json_of(name: str) -> dict[str, Any]:
-        return {
-            "type": "string",
-            "contentMediaType": "application/json",
-            "contentSchema": {"$ref": f"#/components/schemas/{name}"},
-        }
+def _json_of(name: str) -> dict[str, Any]:
+    return {
+        "type": "string",
+        "contentMediaType": "application/json",
+        "contentSchema": {"$ref": f"#/components/schemas/{name}"},
+    }
 
+
+def _typed_event(name: str) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "required": ["event", "data"],
+        "properties": {"event": {"type": "string"}, "data": _json_of(name)},
+    }
+
+
+def _event(chunk: str) -> dict[str, Any]:
     return {
         "type": "object",
         "required": ["data"],
         "properties": {
-            "data": {"anyOf": [json_of(chunk), json_of("ErrorResponse"), {"const": "[DONE]"}]}
+            "data": {"anyOf": [_json_of(chunk), _json_of("ErrorResponse"), {"const": "[DONE]"}]}
         },
     }
