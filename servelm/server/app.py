@@ -7,6 +7,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import servelm
+from servelm.server import body_parse
 from servelm.server.access import AccessMiddleware
 from servelm.server.auth import OPEN_PATHS, APIKeyMiddleware
 from servelm.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
@@ -90,15 +91,15 @@ def build_app(
         chat.check_model(model)
         return card()
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletion, responses=GENERATE)
+    @body_parse.post(app, "/v1/chat/completions", response_model=ChatCompletion, responses=GENERATE)
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         return await chat.create(req, raw)
 
-    @app.post("/v1/completions", response_model=Completion, responses=GENERATE)
+    @body_parse.post(app, "/v1/completions", response_model=Completion, responses=GENERATE)
     async def completions(req: CompletionRequest, raw: Request):
         return await completion.create(req, raw)
 
-    @app.post("/v1/responses", response_model=ResponseObject, responses=GENERATE)
+    @body_parse.post(app, "/v1/responses", response_model=ResponseObject, responses=GENERATE)
     async def create_response(req: ResponsesRequest, raw: Request):
         return await responses.create(req, raw)
 
@@ -110,7 +111,7 @@ def build_app(
     async def delete_response(response_id: str) -> JSONResponse:
         return JSONResponse(responses.delete(response_id))
 
-    @app.post("/tokenize", response_model=Tokenized, responses=TOKENS)
+    @body_parse.post(app, "/tokenize", response_model=Tokenized, responses=TOKENS)
     async def tokenize(req: TokenizeRequest) -> JSONResponse:
         chat.check_model(req.model)
         if req.messages is not None:  # counted as a chat completion would count them
@@ -126,7 +127,7 @@ def build_app(
             {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
         )
 
-    @app.post("/detokenize", response_model=Detokenized, responses=TOKENS)
+    @body_parse.post(app, "/detokenize", response_model=Detokenized, responses=TOKENS)
     async def detokenize(req: DetokenizeRequest) -> JSONResponse:
         chat.check_model(req.model)
         chat.check_token_ids(req.tokens, "tokens")
