@@ -3,7 +3,9 @@
 
 The parsing itself is `text/tool_parsers/`; how tools reach the prompt, `text/tool_prompt.py`.
 `tool_choice: "required"` and a named function constrain the answer (a structured output) to
-Hermes calls of the request's tools, arguments valid for each tool's parameter schema.
+Hermes calls of the request's tools, arguments valid for each tool's parameter schema. Under
+`"auto"`, a tool marked `strict` constrains it too: free text, or calls whose arguments are
+valid once the model opens one (Hermes calls only: other formats are read as written).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from servelm.engine.output_processor import TextDelta
 from servelm.engine.sampling_params import StructuredOutput
 from servelm.server.errors import APIError
 from servelm.server.structured import structure_error
-from servelm.structured.grammar import bound_numbers, rebase_refs
+from servelm.structured.grammar import json_rule, rebase_refs
 from servelm.text import tool_parsers
 from servelm.text.tool_prompt import template_handles_tools
 
@@ -66,6 +68,8 @@ def _tool_names(tools: list[Any]) -> list[str]:
         if not _NAME.match(fn["name"]):
             message = f"tools.{i}.function.name must be 1-64 letters, digits, _ . or -."
             raise APIError(400, message, "tools")
+        if not isinstance(fn.get("strict", False), (bool, type(None))):
+            raise APIError(400, f"tools.{i}.function.strict must be true or false.", "tools")
         params = fn.get("parameters", {})
         if not isinstance(params, dict):
             raise APIError(400, f"tools.{i}.function.parameters must be an object.", "tools")
@@ -118,21 +122,75 @@ def resolve(
 
 # OpenAI: a function without `parameters` takes none (not any arguments at all).
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
-# JSON in a forced call is compact, as in servelm's structured outputs: no whitespace can run on.
-_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# The arguments of a call to a tool not marked strict, in a grammar that lets the model choose
+# whether to call (tool_choice auto): any object, as that tool's calls would be unconstrained.
+ANY_ARGUMENTS = {"type": "object"}
+
+
+def is_strict(tool: dict[str, Any]) -> bool:
+    """Whether a tool asks that its calls' arguments match its schema (OpenAI's `strict`)."""
+    return tool["function"].get("strict") is True
 
 
 def tool_grammar(tools: list[dict[str, Any]], only: str | None, parallel: bool) -> str:
     """A Lark grammar (llguidance's, with `%json`) whose sentences are Hermes tool calls and
     nothing else: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, the
     arguments valid for that tool's parameter schema; one call, or one or more (parallel)."""
+    start = 'start: call ("\\n" call)*' if parallel else "start: call"
+    return _hermes_grammar([start], _call_schema(tools, only, strict_only=False))
+
+
+def auto_tool_grammar(
+    tools: list[dict[str, Any]], parallel: bool, answer: Any = None
+) -> str | None:
+    """The grammar of an answer that may call tools (tool_choice auto) when some tool is
+    strict, else None: free text, or (with `answer`, a JSON schema) a JSON value of that schema;
+    or free text and then, once the model opens a call (`<tool_call>`), Hermes calls as
+    `tool_grammar`'s, a strict tool's arguments valid for its schema and another's any object,
+    to the end of the answer (no text after them, as that grammar's)."""
+    if not any(is_strict(t) for t in tools):
+        return None
+    more = ' ("\\n" call)*' if parallel else ""
+    if answer is not None:  # the answer's content is JSON: no text before a call either
+        lines = [f"start: answer | call{more}", f"answer: {json_rule(answer)}"]
+    else:
+        # `head` is lazy: it ends at the first "<tool_call>", and with it the free-text path
+        # (TEXT alone is greedy, and would read on past a call's markup unconstrained)
+        lines = [
+            f"start: TEXT | head rest{more}",
+            'head[lazy]: TEXT "<tool_call>"',
+            "TEXT: /(?s:.*)/",
+        ]
+    return _hermes_grammar(lines, _call_schema(tools, None, strict_only=True))
+
+
+def _hermes_grammar(start: list[str], call_schema: dict[str, Any]) -> str:
+    """`start`'s rules and those of a Hermes call, `call` (`rest`: after its start tag)."""
+    rules = [
+        *start,
+        'call: "<tool_call>" rest',
+        'rest: "\\n" body "\\n</tool_call>"',
+        f"body: {json_rule(call_schema)}",
+    ]
+    return "\n".join(rules) + "\n"
+
+
+def _call_schema(
+    tools: list[dict[str, Any]], only: str | None, strict_only: bool
+) -> dict[str, Any]:
+    """The JSON schema of one call's body, `{"name": ..., "arguments": {...}}`, to `only` or to
+    any of `tools`: the arguments valid for the tool's parameter schema (with `strict_only`,
+    only a strict tool's; another's any object)."""
     calls, defs = [], {}
     for i, tool in enumerate(tools):
         fn = tool["function"]
         if only is None or fn["name"] == only:
+            if strict_only and not is_strict(tool):
+                params = ANY_ARGUMENTS
+            else:
+                params = {"type": "object", **fn.get("parameters", NO_PARAMETERS)}
             # Each tool's parameters live at #/$defs/tool_i, their own refs rebased there:
             # pydantic's schemas point at their root's $defs, which is no longer the root.
-            params = {"type": "object", **fn.get("parameters", NO_PARAMETERS)}
             defs[f"tool_{i}"] = rebase_refs(params, f"#/$defs/tool_{i}")
             properties = {
                 "name": {"const": fn["name"]},  # first: a stream names the call early
@@ -147,31 +205,47 @@ def tool_grammar(tools: list[dict[str, Any]], only: str | None, parallel: bool) 
                 }
             )
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    schema = bound_numbers({"x-guidance": _JSON_STYLE, "$defs": defs, **schema})
-    body = json.dumps(schema, ensure_ascii=False)
-    start = 'start: call ("\\n" call)*' if parallel else "start: call"
-    return f'{start}\ncall: "<tool_call>\\n" body "\\n</tool_call>"\nbody: %json {body}\n'
+    return {"$defs": defs, **schema}
 
 
 async def constrain(
     setup: ToolSetup | None, asked: StructuredOutput | None
 ) -> StructuredOutput | None:
-    """The structured output of a request: a forced tool call's grammar, or what the request
-    asked. Every tool's parameter schema is checked to compile first, whatever `tool_choice`
-    (a 400 naming it): as OpenAI refuses a schema up front, not only when a call is forced."""
+    """The structured output of a request: a forced tool call's grammar; under tool_choice
+    auto with a strict tool, `auto_tool_grammar`'s (a JSON `asked` as its answer); or what the
+    request asked. Every tool's parameter schema is checked to compile first, whatever
+    `tool_choice` (a 400 naming it): as OpenAI refuses a schema up front, not only when a call
+    is forced."""
     if setup is None:
         return asked
-    error = await asyncio.to_thread(_parameters_error, setup.tools or [])
+    tools = setup.tools or []
+    error = await asyncio.to_thread(_parameters_error, tools)
     if error:
         raise APIError(400, error, "tools")
-    if not setup.forced:
-        return asked
-    if asked is not None:
-        message = (
-            "tool_choice forces a tool call, which no other structured output can also constrain."
-        )
-        raise APIError(400, message, "tool_choice")
-    spec = StructuredOutput("grammar", tool_grammar(setup.tools or [], setup.only, setup.parallel))
+    if setup.forced:
+        if asked is not None:
+            message = (
+                "tool_choice forces a tool call, which no other structured output can also "
+                "constrain."
+            )
+            raise APIError(400, message, "tool_choice")
+        grammar = tool_grammar(tools, setup.only, setup.parallel)
+    else:
+        # Only Hermes calls are enforced (the format the grammar writes); under another parser
+        # (pythonic, llama3_json, ...) a strict tool's calls are read from free text, unchecked.
+        if setup.parser != "hermes":
+            return asked
+        answer = json.loads(asked.value) if asked is not None and asked.kind == "json" else None
+        grammar = auto_tool_grammar(tools, setup.parallel, answer)
+        if grammar is None:
+            return asked
+        if asked is not None and answer is None:
+            message = (
+                f"strict tools under tool_choice auto constrain the answer, which a {asked.kind} "
+                "structured output cannot also constrain (a JSON schema or json_object can)."
+            )
+            raise APIError(400, message, "tools")
+    spec = StructuredOutput("grammar", grammar)
     error = await asyncio.to_thread(structure_error, spec)
     if error:  # (each schema compiles: the grammar's first line says what is left)
         raise APIError(400, f"tools: invalid grammar: {error.splitlines()[0]}", "tools")

@@ -66,6 +66,15 @@ def to_grammar(spec: StructuredOutput) -> str:
     raise ValueError(f"unknown structured output kind {spec.kind!r}")
 
 
+def json_rule(schema: Any) -> str:
+    """`schema` as the body of a Lark rule, `%json {...}`: a JSON value inside a larger grammar,
+    written and bounded as a `json` structured output is. Its refs are its own root's."""
+    if isinstance(schema, bool):  # (`%json` takes objects only)
+        schema = {} if schema else {"not": {}}
+    body = {"x-guidance": JSON_OPTIONS, **bound_numbers(schema)}
+    return "%json " + json.dumps(body, ensure_ascii=False)
+
+
 # \d, \w and \s as ASCII, as a JSON schema's `pattern` reads them (ECMAScript) and vLLM's
 # default backend does: llguidance's regexes are Unicode's, where \d{3} lets a small model
 # write U+1FBF8 three times. Outside a class, and inside one (where only the positive ones fit).
