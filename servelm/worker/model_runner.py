@@ -380,9 +380,22 @@ class ModelRunner:
         gen = self.generators.get(request_id)
         if gen is None:
             gen = torch.Generator(device=self.device)
-            gen.manual_seed(seed)
+            gen.manual_seed(seed32(seed))
             self.generators[request_id] = gen
         return gen
+
+
+def seed32(seed: int) -> int:
+    """A request's seed as a generator takes it. torch's CPU generator (mt19937) keeps only a
+    seed's low 32 bits, so seeds 1 and 2**32 + 1 drew the same tokens; a seed outside
+    [0, 2**32) is mixed down (SplitMix64's finalizer) so that each of its 64 bits counts. The
+    seeds people type keep the draws they had."""
+    if 0 <= seed < 1 << 32:
+        return seed
+    z = seed & (1 << 64) - 1
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 & (1 << 64) - 1
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB & (1 << 64) - 1
+    return (z ^ (z >> 31)) & 0xFFFFFFFF
 
 
 def _scores_prompt(r) -> bool:
