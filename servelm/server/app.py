@@ -22,6 +22,7 @@ from servelm.server.openapi import (
     Completion,
     Detokenized,
     ResponseDeleted,
+    ResponseItems,
     ResponseObject,
     Tokenized,
     Version,
@@ -106,6 +107,14 @@ def build_app(
     @app.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=MODEL)
     async def get_response(response_id: str) -> JSONResponse:
         return JSONResponse(responses.get(response_id))
+
+    @app.get(
+        "/v1/responses/{response_id}/input_items", response_model=ResponseItems, responses=MODEL
+    )
+    async def response_input_items(
+        response_id: str, limit: int = 20, order: str = "desc", after: str | None = None
+    ) -> JSONResponse:
+        return JSONResponse(responses.input_items(response_id, limit, order, after))
 
     @app.delete("/v1/responses/{response_id}", response_model=ResponseDeleted, responses=MODEL)
     async def delete_response(response_id: str) -> JSONResponse:

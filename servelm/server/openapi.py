@@ -137,6 +137,16 @@ class ResponseStreamEvent(BaseModel):
     sequence_number: int
 
 
+class ResponseItems(BaseModel):
+    """A page of a stored response's input items."""
+
+    object: str
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
 class ResponseDeleted(BaseModel):
     id: str
     object: str
@@ -161,7 +171,7 @@ def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     described = {
         400: "The request is invalid: a field's type or value, a prompt over the context.",
         401: "No valid API key (`Authorization: Bearer ...`), when the server has one.",
-        404: "No such model.",
+        404: "No such model (or stored response).",
         413: "The request body is over --max-request-bytes.",
         500: "The engine failed on this request.",
         503: "The engine is not running, or the waiting queue is full (with Retry-After).",

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
-from pydantic import Field
+from pydantic import Field, ValidationError, ValidatorFunctionWrapHandler, WrapValidator
+from pydantic_core import PydanticCustomError
 
 from servelm.engine.sampling_params import MAX_LOGPROBS
 from servelm.server.errors import APIError
@@ -33,6 +34,21 @@ INCLUDABLE = (
     "web_search_call.action.sources",
     "web_search_call.results",
 )
+
+
+def _one_input_error(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    """An `input` of neither shape gets one error saying what they are, not one per shape."""
+    try:
+        return handler(value)
+    except ValidationError:
+        raise PydanticCustomError(
+            "input_type", "must be a string or a list of items (objects with a type or a role)"
+        ) from None
+
+
+# OpenAI's bounds on `metadata`: 16 pairs, keys of 64 characters, values of 512.
+MetadataKey = Annotated[str, Field(max_length=64)]
+MetadataValue = Annotated[str, Field(max_length=512)]
 
 
 class ResponsesRequest(RequestBody):
@@ -56,7 +72,7 @@ class ResponsesRequest(RequestBody):
     }
 
     model: str | None = None
-    input: str | list[dict[str, Any]]
+    input: Annotated[str | list[dict[str, Any]], WrapValidator(_one_input_error)]
     instructions: str | None = None
     previous_response_id: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
@@ -70,7 +86,7 @@ class ResponsesRequest(RequestBody):
     text: dict[str, Any] | None = None
     stream: bool | None = False
     store: bool | None = True
-    metadata: dict[str, str] | None = Field(None, max_length=16)
+    metadata: dict[MetadataKey, MetadataValue] | None = Field(None, max_length=16)
     user: str | None = None
     # accepted, and nothing to do: a routing or billing hint elsewhere
     service_tier: str | None = None
@@ -111,6 +127,7 @@ def chat_request(
         message = f"top_logprobs is only returned when include has {LOGPROBS_INCLUDE!r}."
         raise APIError(400, message, "top_logprobs")
     conversation = history + input_messages(req.input, history)
+    _check_calls_answered(conversation)
     messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
     messages += conversation
     if not messages:
@@ -200,6 +217,23 @@ def input_messages(items: str | list[dict[str, Any]], history: list[dict[str, An
     return out
 
 
+def _check_calls_answered(conversation: list[dict[str, Any]]) -> None:
+    """A 400 when a function call has no `function_call_output` after it and the conversation
+    goes on past it (OpenAI's rule): the model would answer as if the tool had said nothing."""
+    waiting: list[str] = []
+    for message in conversation:
+        if message["role"] == "tool":
+            if message["tool_call_id"] in waiting:
+                waiting.remove(message["tool_call_id"])
+            continue
+        if waiting:
+            break
+        waiting = [call["id"] for call in message.get("tool_calls") or []]
+    if waiting:
+        message = f"No tool output found for function call {waiting[0]}."
+        raise APIError(400, message, "input")
+
+
 def _string(item: Mapping[str, Any], key: str, where: str, empty: bool = False) -> str:
     value = item.get(key)
     if not isinstance(value, str) or (not value and not empty):
@@ -242,7 +276,10 @@ def chat_tool(tool: Any, i: int) -> dict[str, Any]:
         kind = tool.get("type") if isinstance(tool, Mapping) else None
         message = f"tools.{i}: only function tools are supported, got type {kind!r}."
         raise APIError(400, message, "tools")
-    function = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
+    # (OpenAI's `parameters` may be null: no parameters, as when it is left out)
+    function = {
+        k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None
+    }
     function["strict"] = tool.get("strict", True) is not False
     return {"type": "function", "function": function}
 
@@ -279,4 +316,4 @@ def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
 
 def text_config(text: dict[str, Any] | None) -> dict[str, Any]:
     """The `text` a response echoes: the request's, `{"format": {"type": "text"}}` by default."""
-    return copy.deepcopy(text) if text and text.get("format") else {"format": {"type": "text"}}
+    return {"format": {"type": "text"}, **copy.deepcopy(text or {})}

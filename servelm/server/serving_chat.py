@@ -88,10 +88,16 @@ class ServingChat(OpenAIServing):
             raise APIError(400, str(exc), "messages") from None
 
     async def start(
-        self, req: ChatCompletionRequest, raw: Request, id_prefix: str, sep: str = "-"
+        self,
+        req: ChatCompletionRequest,
+        raw: Request,
+        id_prefix: str,
+        sep: str = "-",
+        clamp_output: bool = False,
     ) -> ChatRun:
         """Check the request, render its prompt and start its choices (chat completions, and
-        the Responses API, which asks the same of the engine and answers in its own shape)."""
+        the Responses API, which asks the same of the engine and answers in its own shape).
+        `clamp_output`: a max_tokens past the context is cut to the room left, not refused."""
         self.check_model(req.model)
         self.check_logprobs(req.top_logprobs, "top_logprobs")
         for legacy in ("functions", "function_call"):
@@ -110,9 +116,12 @@ class ServingChat(OpenAIServing):
         self.check_prompt_length(prompt_ids)
         max_tokens = req.max_completion_tokens or req.max_tokens
         asked = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+        room = self.state.max_model_len - len(prompt_ids)
+        if clamp_output and max_tokens is not None:
+            max_tokens = min(max_tokens, room)
         self.check_output_room([prompt_ids], max_tokens, asked)
         if max_tokens is None:  # a chat answer runs to its end (OpenAI, vLLM), not 16 tokens
-            max_tokens = self.state.max_model_len - len(prompt_ids)
+            max_tokens = room
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         structure = await constrain(tools, await checked_structure(req, self.tokenizer))
         params = self.sampling_params(

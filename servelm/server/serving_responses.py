@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import time
 import uuid
 from collections import OrderedDict
@@ -47,6 +48,7 @@ class Stored:
 
     response: dict[str, Any]
     conversation: list[dict[str, Any]]
+    input_items: list[dict[str, Any]]  # what the request's `input` held, with ids
 
 
 class ResponseStore:
@@ -71,6 +73,46 @@ class ResponseStore:
 
     def delete(self, response_id: str) -> bool:
         return self._items.pop(response_id, None) is not None
+
+
+# The chat request's fields, as the Responses request that made it names them.
+RESPONSES_PARAMS = {
+    "max_completion_tokens": "max_output_tokens",
+    "messages": "input",
+    "prompt": "input",
+    "response_format": "text",
+    "logprobs": "include",
+}
+
+
+def _in_responses_terms(exc: APIError) -> APIError:
+    """An error the chat path raised, naming what the Responses request called it: its
+    `param`, and in the message the field names and a tool's fields (no `function` level)."""
+    message = exc.message.replace("max_completion_tokens", "max_output_tokens")
+    message = re.sub(r"\b(tools\.\d+)\.function\.", r"\1.", message)
+    param = RESPONSES_PARAMS.get(exc.param or "", exc.param)
+    return APIError(exc.status, message, param, exc.code, exc.headers)
+
+
+def input_items(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The request's `input` as the items `GET /v1/responses/{id}/input_items` lists: each
+    with an id, a message's text as parts (`input_text`; an assistant's, `output_text`)."""
+    raw = (
+        [{"type": "message", "role": "user", "content": value}] if isinstance(value, str) else value
+    )
+    items = []
+    for item in raw:
+        item = copy.deepcopy(item)
+        kind = item.setdefault("type", "message")
+        if kind == "message":
+            if isinstance(item.get("content"), str):
+                part = "output_text" if item.get("role") == "assistant" else "input_text"
+                item["content"] = [{"type": part, "text": item["content"]}]
+            item.setdefault("status", "completed")
+        prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+        item.setdefault("id", _id(prefix.get(kind, "item")))
+        items.append(item)
+    return items
 
 
 def _not_found(response_id: str, param: str | None = None) -> APIError:
@@ -101,6 +143,33 @@ class ServingResponses:
             raise _not_found(response_id)
         return stored.response
 
+    def input_items(
+        self, response_id: str, limit: int = 20, order: str = "desc", after: str | None = None
+    ) -> dict[str, Any]:
+        """A page of a stored response's input items (OpenAI's list: newest first unless
+        `order` is `asc`, `limit` 1-100, from after the item `after`)."""
+        stored = self.store.get(response_id)
+        if stored is None:
+            raise _not_found(response_id)
+        if not 1 <= limit <= 100:
+            raise APIError(400, f"limit must be between 1 and 100, got {limit}.", "limit")
+        if order not in ("asc", "desc"):
+            raise APIError(400, f"order must be asc or desc, got {order!r}.", "order")
+        items = stored.input_items if order == "asc" else stored.input_items[::-1]
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                raise APIError(404, f"No input item with id '{after}' in this response.", "after")
+            items = items[ids.index(after) + 1 :]
+        page = items[:limit]
+        return {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(items) > limit,
+        }
+
     def delete(self, response_id: str) -> dict[str, Any]:
         if not self.store.delete(response_id):
             raise _not_found(response_id)
@@ -114,11 +183,17 @@ class ServingResponses:
             if previous is None:
                 raise _not_found(req.previous_response_id, "previous_response_id")
             history = previous.conversation
-        chat_req, conversation = chat_request(req, history)
-        run = await self.chat.start(chat_req, raw, "resp", sep="_")
+        try:
+            chat_req, conversation = chat_request(req, history)
+            # (max_output_tokens is a cap, as vLLM's Responses API takes it: an agent's fixed
+            # cap would otherwise fail every turn once its conversation grew past the rest)
+            run = await self.chat.start(chat_req, raw, "resp", sep="_", clamp_output=True)
+        except APIError as exc:
+            raise _in_responses_terms(exc) from None
         head = self._head(req, run)
+        items = input_items(req.input)
         if req.stream:
-            body = self._stream(req, run, head, conversation)
+            body = self._stream(req, run, head, conversation, items)
             return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
         done = await cancel_on_disconnect(raw, collect(run.choices, 1, len(run.prompt_ids)))
         answer = _Answer(done.texts[0], done.logprobs[0], done.reasons[0])
@@ -126,7 +201,9 @@ class ServingResponses:
         answer.cached_tokens = done.usage["prompt_tokens_details"]["cached_tokens"]
         message, _ = message_of(answer.text, run.tools)
         output = self._output(message, answer, req.logprobs)
-        return JSONResponse(self._finish(req, run, head, output, answer, conversation, message))
+        return JSONResponse(
+            self._finish(req, run, head, output, answer, conversation, message, items)
+        )
 
     def _head(self, req: ResponsesRequest, run: ChatRun) -> dict[str, Any]:
         """The response object before its output: what the request asked, echoed."""
@@ -165,30 +242,26 @@ class ServingResponses:
         self, message: dict[str, Any], answer: _Answer, with_logprobs: bool
     ) -> list[dict[str, Any]]:
         """The output items of a whole answer: its text as a message (unless it only calls
-        tools), then its calls."""
+        tools), then its calls; the last one `incomplete` when max_output_tokens cut it."""
         items = []
         calls = message.get("tool_calls") or []
         if message.get("content") or not calls:
             lps = answer.logprobs if with_logprobs else None
-            items.append(self._message_item(_id("msg"), message.get("content") or "", lps, answer))
-        for call in calls:
             items.append(
-                _call_item(
-                    _id("fc"), call["id"], call["function"]["name"], call["function"]["arguments"]
-                )
+                {
+                    "id": _id("msg"),
+                    "type": "message",
+                    "status": "completed",
+                    "role": "assistant",
+                    "content": [self._text_part(message.get("content") or "", lps)],
+                }
             )
+        for call in calls:
+            fn = call["function"]
+            items.append(_call_item(_id("fc"), call["id"], fn["name"], fn["arguments"]))
+        if answer.reason == "length":
+            items[-1]["status"] = "incomplete"
         return items
-
-    def _message_item(
-        self, item_id: str, text: str, lps: list[Logprobs] | None, answer: _Answer
-    ) -> dict[str, Any]:
-        return {
-            "id": item_id,
-            "type": "message",
-            "status": "incomplete" if answer.reason == "length" else "completed",
-            "role": "assistant",
-            "content": [self._text_part(text, lps)],
-        }
 
     def _text_part(self, text: str, lps: list[Logprobs] | None) -> dict[str, Any]:
         part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
@@ -205,8 +278,10 @@ class ServingResponses:
         answer: _Answer,
         conversation: list[dict[str, Any]],
         message: dict[str, Any],
+        items: list[dict[str, Any]],
     ) -> dict[str, Any]:
-        """The whole response (stored when asked), from its head, output and answer."""
+        """The whole response (stored when asked, with its input `items`), from its head,
+        output and answer."""
         cut = answer.reason == "length"
         num_prompt = len(run.prompt_ids)
         response = {
@@ -226,7 +301,7 @@ class ServingResponses:
         if req.store is not False:
             said = {k: v for k, v in message.items() if v is not None}
             said.setdefault("content", None)
-            self.store.put(Stored(copy.deepcopy(response), [*conversation, said]))
+            self.store.put(Stored(copy.deepcopy(response), [*conversation, said], items))
         return response
 
     async def _stream(
@@ -235,6 +310,7 @@ class ServingResponses:
         run: ChatRun,
         head: dict[str, Any],
         conversation: list[dict[str, Any]],
+        items: list[dict[str, Any]],
     ) -> AsyncIterator[str]:
         """The SSE body: OpenAI's typed events, each numbered, ending in `response.completed`
         (or `.incomplete` when cut by max_output_tokens, `.failed` when the engine failed)."""
@@ -268,7 +344,7 @@ class ServingResponses:
         for e in writer.close(answer):
             yield e
         message = writer.message(answer)
-        response = self._finish(req, run, head, writer.items, answer, conversation, message)
+        response = self._finish(req, run, head, writer.items, answer, conversation, message, items)
         done = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
         yield events(done, response=response)
 
@@ -333,8 +409,9 @@ class _OutputWriter:
             if self._text is None:
                 out += self._open_message()
             self._text["content"][0]["text"] += text
-            if self.with_logprobs:
-                self._text_lps += lps or []
+        if self.with_logprobs and self._text is not None:  # (the end token's too, as whole)
+            self._text_lps += lps or []
+        if text:
             entries = [self.serving.chat.logprobs_entry(lp) for lp in lps or []]
             out.append(
                 self._event(
@@ -367,7 +444,7 @@ class _OutputWriter:
         """The open items' done events; an answer of no text and no call still has its
         (empty) message, as a whole answer has."""
         opened = [] if self.items else self._open_message()
-        return opened + self._close_message(answer) + self._close_call()
+        return opened + self._close_message(answer) + self._close_call(answer)
 
     def message(self, answer: _Answer) -> dict[str, Any]:
         """The answer as a chat message (what a continuation's prompt carries)."""
@@ -438,12 +515,14 @@ class _OutputWriter:
             self._event("response.output_item.done", item, item=item),
         ]
 
-    def _close_call(self) -> list[str]:
+    def _close_call(self, answer: _Answer | None = None) -> list[str]:
         item = self._call
         if item is None:
             return []
         self._call = None
-        item["status"] = "completed"
+        # (the last call of an answer cut by max_output_tokens is cut too)
+        cut = answer is not None and answer.reason == "length"
+        item["status"] = "incomplete" if cut else "completed"
         return [
             self._event(
                 "response.function_call_arguments.done",

@@ -21,7 +21,7 @@ from servelm.engine.output_processor import TextDelta
 from servelm.engine.sampling_params import StructuredOutput
 from servelm.server.errors import APIError
 from servelm.server.structured import structure_error
-from servelm.structured.grammar import json_rule, rebase_refs
+from servelm.structured.grammar import closed_objects, json_rule, rebase_refs
 from servelm.text import tool_parsers
 from servelm.text.tool_prompt import template_handles_tools
 
@@ -189,6 +189,8 @@ def _call_schema(
                 params = ANY_ARGUMENTS
             else:
                 params = {"type": "object", **fn.get("parameters", NO_PARAMETERS)}
+                if is_strict(tool):
+                    params = closed_objects(params)
             # Each tool's parameters live at #/$defs/tool_i, their own refs rebased there:
             # pydantic's schemas point at their root's $defs, which is no longer the root.
             defs[f"tool_{i}"] = rebase_refs(params, f"#/$defs/tool_{i}")

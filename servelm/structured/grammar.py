@@ -168,6 +168,18 @@ def _bound(node: dict[str, Any]) -> None:
         node["multipleOf"] = NUMBER_STEP
 
 
+def closed_objects(schema: Any) -> Any:
+    """`schema` as OpenAI's strict mode reads it (a strict tool's): an object takes no
+    properties beyond those it names unless it says so (`additionalProperties`). Without this
+    a tool of no parameters, `{"type": "object", "properties": {}}`, let the model invent some."""
+
+    def close(node: dict[str, Any]) -> None:
+        if node.get("type") == "object" or "properties" in node:
+            node.setdefault("additionalProperties", False)
+
+    return _each_schema(schema, close)
+
+
 def _cap(other: Any, sign: int) -> int | None:
     """The bound for a number's open side (sign +1: its maximum) given its other bound:
     SAFE_INTEGER, or FAR_INTEGER past a bound beyond it (llguidance refuses a minimum of 1.6e18

@@ -257,3 +257,104 @@ def test_what_servelm_cannot_do_is_refused_by_name(server, body, param):
 def test_reasoning_without_effort_is_accepted(client, bias):
     r = create(client, bias, "plain", reasoning={"effort": None})
     assert r.output_text == "".join(SCRIPTS["plain"])
+
+
+def test_a_call_cut_by_max_output_tokens_is_incomplete(client, bias):
+    r = create(client, bias, "one_call", tools=[TOOL], max_output_tokens=4)
+    assert r.status == "incomplete"
+    assert r.output[0].status == "completed" and r.output[-1].status == "incomplete"
+    _, events = None, None
+    with client.responses.stream(
+        model="tiny",
+        input="What is the weather in Paris?",
+        tools=[TOOL],
+        temperature=0,
+        max_output_tokens=4,
+        extra_body=bias("one_call"),
+    ) as s:
+        events = list(s)
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [i.status for i in done] == [i.status for i in r.output]
+    assert events[-1].type == "response.incomplete"
+
+
+def test_max_output_tokens_is_a_cap_and_errors_name_responses_fields(client, bias, server):
+    # past the context: cut to the room left (as vLLM's Responses API), not refused
+    r = create(client, bias, "plain", max_output_tokens=1_000_000)
+    assert r.status == "completed" and r.output_text == "".join(SCRIPTS["plain"])
+    url = f"{server.base_url}/responses"
+    bad_format = {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}
+    for body, param, named in [
+        ({"input": "hi", "text": {"format": bad_format}}, "text", None),
+        (
+            {"input": "hi", "tools": [{**TOOL, "parameters": {"type": "nope"}}]},
+            "tools",
+            "tools.0.parameters",
+        ),
+        ({"input": "x " * 5000}, "input", None),
+    ]:
+        reply = httpx.post(url, json={"model": "tiny", **body})
+        assert reply.status_code == 400, reply.text
+        error = reply.json()["error"]
+        assert error["param"] == param, error
+        assert ".function." not in error["message"] and "max_completion" not in error["message"]
+        assert named is None or named in error["message"], error
+
+
+def test_a_tool_of_null_parameters_is_taken(client, bias):
+    # (OpenAI's FunctionToolParam: `parameters` may be null; a strict one takes no arguments,
+    # which tests/server/test_strict_tools.py checks on the grammar)
+    tool = {"type": "function", "name": "get_time", "parameters": None}
+    r = create(client, bias, "plain", tools=[tool])
+    assert r.output_text == "".join(SCRIPTS["plain"]) and r.tools[0].strict is True
+
+
+def test_streamed_logprobs_are_the_whole_answers(client, bias):
+    asked = {"include": ["message.output_text.logprobs"], "top_logprobs": 1}
+    whole = create(client, bias, "plain", **asked).output[0].content[0].logprobs
+    _, final = stream(client, bias, "plain", **asked)
+    assert [lp.token for lp in final.output[0].content[0].logprobs] == [lp.token for lp in whole]
+
+
+def test_input_items_of_a_stored_response(client, bias):
+    items = [
+        {"role": "system", "content": "Be brief."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+    ]
+    r = create(client, bias, "plain", input=items)
+    listed = client.responses.input_items.list(r.id)
+    assert [(i.role, i.content[0].text) for i in listed.data] == [
+        ("user", "Hi"),
+        ("system", "Be brief."),
+    ]
+    oldest = client.responses.input_items.list(r.id, order="asc", limit=1)
+    assert oldest.data[0].role == "system" and oldest.has_more
+    rest = client.responses.input_items.list(r.id, order="asc", after=oldest.data[0].id)
+    assert [i.role for i in rest.data] == ["user"] and not rest.has_more
+
+
+def test_a_call_without_its_output_is_refused(client, bias):
+    first = create(client, bias, "one_call", tools=[TOOL])
+    with pytest.raises(openai.BadRequestError) as e:
+        create(
+            client,
+            bias,
+            "plain",
+            tools=[TOOL],
+            previous_response_id=first.id,
+            input="And tomorrow?",
+        )
+    assert "No tool output found for function call" in e.value.body["message"]
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        ({"input": ["hi"]}, "must be a string or a list of items"),
+        ({"input": "hi", "metadata": {"k" * 65: "v"}}, "metadata"),
+        ({"input": "hi", "metadata": {"k": "v" * 513}}, "metadata"),
+    ],
+)
+def test_bad_input_and_metadata_say_what_is_wrong(server, body, says):
+    r = httpx.post(f"{server.base_url}/responses", json={"model": "tiny", **body})
+    assert r.status_code == 400 and says in r.json()["error"]["message"], r.text

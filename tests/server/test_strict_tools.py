@@ -96,6 +96,26 @@ def test_free_text_or_valid_calls(accepts, parallel):
     assert accepts(grammar, GOOD + "\n" + GOOD) == parallel
 
 
+def test_a_strict_tools_objects_take_only_what_they_name(accepts):
+    # OpenAI's strict mode: no properties beyond those named, unless a schema says otherwise
+    # (a tool of no parameters let the model invent some)
+    bare = {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "strict": True,
+            "parameters": {"type": "object", "properties": {}},
+        },
+    }
+    grammar = auto_tool_grammar([bare, weather(True)], True)
+    assert accepts(grammar, call("get_time", "{}"))
+    assert not accepts(grammar, call("get_time", '{"tz": "UTC"}'))
+    assert not accepts(grammar, call("get_weather", '{"city": "Oslo", "days": 2, "x": 1}'))
+    open_ = {"type": "object", "properties": {}, "additionalProperties": True}
+    grammar = auto_tool_grammar([weather(True, open_)], True)
+    assert accepts(grammar, call("get_weather", '{"tz": "UTC"}'))
+
+
 def test_with_a_json_answer_the_answer_is_that_json_or_calls(accepts):
     answer = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
     grammar = auto_tool_grammar([weather(True)], True, answer)
