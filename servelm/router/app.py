@@ -1,7 +1,9 @@
 """The router's HTTP app: the OpenAI routes it proxies, /v1/models, probes, metrics, admin API.
 
 Per request: API key and rate limits (ratelimit.py) -> model known? -> proxy.py picks a
-replica with the policy and relays the answer -> the usage corrects the token charge.
+replica with the policy and relays the answer -> the usage corrects the token charge. A
+request about a stored response (a continuation, GET / DELETE /v1/responses/{id}) goes to the
+replica holding it instead (affinity.py).
 Background: the health checker, which also re-reads the replicas and keys files when they change.
 """
 
@@ -23,11 +25,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from servelm.router.affinity import ResponseOwners, response_path
 from servelm.router.config import FileWatcher, RouterConfig
 from servelm.router.health import HealthChecker
 from servelm.router.metrics import ChunkTimings, RouterMetrics
 from servelm.router.policies import POLICIES, LeastLoaded, PrefixAware, RoundRobin, RoutingPolicy
-from servelm.router.prefix import estimate_prompt_tokens
+from servelm.router.prefix import RESPONSES, estimate_prompt_tokens
 from servelm.router.proxy import Proxy
 from servelm.router.ratelimit import Admission, ApiKey, RateLimited, RateLimiter
 from servelm.router.replicas import ReplicaSet, normalize_url, parse_replicas_file
@@ -37,7 +40,14 @@ from servelm.server.errors import APIError, error_response, http_error
 
 logger = logging.getLogger("servelm.router")
 
-PROXIED = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/tokenize", "/detokenize")
+PROXIED = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    RESPONSES,
+    "/v1/embeddings",
+    "/tokenize",
+    "/detokenize",
+)
 
 
 def build_policy(config: RouterConfig) -> RoutingPolicy:
@@ -90,6 +100,14 @@ class Router:
             config.upstream_api_key,
             on_tick=self.reload_files,
         )
+        self.owners = ResponseOwners(
+            self.replicas,
+            self.client,
+            self.metrics,
+            config.responses_table_size,
+            config.health_timeout_s,
+            config.upstream_api_key,
+        )
         self.proxy = Proxy(
             self.replicas,
             self.policy,
@@ -135,6 +153,7 @@ class Router:
             return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
 
     async def _proxied(self, request: Request) -> Response:
+        path = request.url.path
         admission: Admission | None = None
         key = self._authenticate(request) if self.limiter.enabled else None
         try:
@@ -147,30 +166,83 @@ class Router:
         if isinstance(model, str) and not self.replicas.may_serve(model):
             raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
         if key is not None:
-            try:
-                estimate = self.limiter.estimate_tokens(request.url.path, body)
-                admission = self.limiter.admit(key, estimate)
-            except RateLimited as exc:
-                self.metrics.rate_limited.labels(exc.key.name, exc.limit).inc()
-                raise APIError(429, exc.message, None, "rate_limit_exceeded", exc.headers) from None
+            admission = self._admit(key, self.limiter.estimate_tokens(path, body))
 
         def on_usage(total: int | None, output_seen: int) -> None:
             if admission is not None:
-                seen = estimate_prompt_tokens(body) + output_seen if output_seen else 0
+                seen = estimate_prompt_tokens(body, path) + output_seen if output_seen else 0
                 self.limiter.settle(admission, total, seen)
 
+        async def answer() -> Response:
+            pinned = None
+            previous = body.get("previous_response_id") if path == RESPONSES else None
+            if isinstance(previous, str):
+                try:
+                    pinned = await self.owners.owner(previous, "previous_response_id")
+                except APIError:
+                    on_usage(0, 0)  # refused: no tokens used
+                    raise
+            return await self.proxy.forward(
+                path,
+                body,
+                self._forwarded_headers(request),
+                admission.headers if admission else {},
+                on_usage,
+                want_usage=admission is not None,
+                pinned=pinned,
+                on_answer=self.owners.learn if path == RESPONSES else None,
+            )
+
+        return await unless_disconnected(request, answer())
+
+    async def stored_response(self, request: Request) -> Response:
+        """GET / DELETE /v1/responses/{id} (and GET of its input_items), from the replica
+        holding it."""
+        try:
+            key = self._authenticate(request) if self.limiter.enabled else None
+            admission = self._admit(key, 0) if key is not None else None  # generates nothing
+            response_id = request.path_params["response_id"]
+
+            items = request.url.path.endswith("/input_items")
+            path = response_path(response_id) + ("/input_items" if items else "")
+            if request.url.query:
+                path += "?" + request.url.query
+
+            async def answer() -> Response:
+                replica = await self.owners.owner(response_id)
+                response = await self.proxy.send_to(
+                    replica,
+                    request.method,
+                    path,
+                    self._forwarded_headers(request),
+                    admission.headers if admission else {},
+                )
+                # deleted, or aged out of the replica's store: nowhere to send it now (a 404
+                # of its input items may be a page's `after` the replica does not know)
+                if not items and (
+                    response.status_code == 404
+                    or (request.method == "DELETE" and response.status_code == 200)
+                ):
+                    self.owners.forget(response_id)
+                return response
+
+            return await unless_disconnected(request, answer())
+        except APIError as exc:
+            return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
+
+    def _admit(self, key: ApiKey, tokens: int) -> Admission:
+        try:
+            return self.limiter.admit(key, tokens)
+        except RateLimited as exc:
+            self.metrics.rate_limited.labels(exc.key.name, exc.limit).inc()
+            raise APIError(429, exc.message, None, "rate_limit_exceeded", exc.headers) from None
+
+    @staticmethod
+    def _forwarded_headers(request: Request) -> dict[str, str]:
         headers = dict(request.headers)
         if request.client is not None:
             headers["x-forwarded-for"] = request.client.host
-        forward = self.proxy.forward(
-            request.url.path,
-            body,
-            headers,
-            admission.headers if admission else {},
-            on_usage,
-            want_usage=admission is not None,
-        )
-        return await unless_disconnected(request, forward)
+        return headers
 
     def _authenticate(self, request: Request) -> ApiKey:
         key = self.limiter.authenticate(request.headers.get("authorization"))
@@ -248,6 +320,8 @@ def build_app(router: Router) -> Starlette:
     board = RouterDashboard(router)
     routes = [Route(p, router.proxied, methods=["POST"]) for p in PROXIED]
     routes += [
+        Route(RESPONSES + "/{response_id}", router.stored_response, methods=["GET", "DELETE"]),
+        Route(RESPONSES + "/{response_id}/input_items", router.stored_response, methods=["GET"]),
         Route("/v1/models", router.models, methods=["GET"]),
         Route("/v1/models/{model:path}", router.model, methods=["GET"]),
         Route("/health", router.health_route, methods=["GET"]),

@@ -83,6 +83,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="a replica with this many waiting requests takes no more (503 when all do)",
     )
+    g.add_argument(
+        "--responses-table-size",
+        type=int,
+        default=100_000,
+        help="Responses API ids the router remembers the replica of (the oldest beyond are "
+        "looked up by asking the replicas)",
+    )
     g = parser.add_argument_group("health")
     g.add_argument("--health-interval", type=float, default=1.0, help="seconds between probes")
     g.add_argument("--health-timeout", type=float, default=2.0)
@@ -141,6 +148,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         failure_threshold=args.failure_threshold,
         eject_cooldown_s=args.eject_cooldown,
         max_waiting_per_replica=args.max_waiting_per_replica,
+        responses_table_size=args.responses_table_size,
         prefix_block_chars=args.prefix_block_chars,
         prefix_max_blocks=args.prefix_max_blocks,
         imbalance_abs=args.imbalance_abs,

@@ -34,6 +34,10 @@ class RouterConfig:
     # proxy
     connect_timeout_s: float = 3.0
     max_waiting_per_replica: int | None = None  # a replica this deep in queue counts as saturated
+    # Responses API: response id -> the replica holding it. 100 replicas' default stores
+    # (--responses-store-size 1000) at about 200 bytes an entry: some 20 MB. Past it the oldest
+    # ids are asked for again (one GET per replica), never lost.
+    responses_table_size: int = 100_000
     # prefix-aware policy
     prefix_block_chars: int = 128
     prefix_max_blocks: int = 64

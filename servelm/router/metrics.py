@@ -60,6 +60,13 @@ class RouterMetrics:
             ["replica"],
             registry=r,
         )
+        self.response_owners = Counter(
+            p + "response_owner_lookups",
+            "Requests for a stored response (previous_response_id, GET, DELETE) by how its "
+            "replica was found: known, found (by asking the replicas), missing, unavailable.",
+            ["outcome"],
+            registry=r,
+        )
         self.forward_delay = Histogram(
             p + "stream_chunk_forward_seconds",
             "From receiving a stream chunk from a replica to handing it to the client.",

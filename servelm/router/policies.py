@@ -22,6 +22,7 @@ from servelm.router.replicas import Replica
 class RouteRequest:
     model: str | None
     body: dict[str, Any] = field(default_factory=dict)
+    path: str = ""  # which API the body is for (prefix.prompt_text reads it by its path)
 
 
 @dataclass
@@ -117,7 +118,8 @@ class PrefixAware(RoutingPolicy):
         # a salted prompt (cache_salt) shares KV only with prompts of the same salt
         salt = req.body.get("cache_salt")
         seed = f"{req.model or ''}\0{salt}" if isinstance(salt, str) else req.model or ""
-        hashes = block_hashes(prompt_text(req.body), self.block_chars, self.max_blocks, seed)
+        text = prompt_text(req.body, req.path)
+        hashes = block_hashes(text, self.block_chars, self.max_blocks, seed)
         least = self.fallback.choose(candidates, req).replica
         affine = self._longest_match(hashes, {r.url: r for r in candidates})
         if affine is None:

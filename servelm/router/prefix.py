@@ -12,6 +12,10 @@ so `h_i` names the whole prefix up to block i. The seed is the model name: two m
 share a prefix. Text blocks do not line up with the engine's 16-token blocks, but two prompts
 with equal text prefixes have equal token prefixes too (up to the last token or so), which is
 all routing needs: send them where that prefix already sits in the KV cache.
+
+A Responses API body (`instructions` and `input` items) reads as the chat messages it means,
+so it hashes and is estimated like the chat request of the same conversation. Its body cannot
+tell it from an embeddings body (`{"input": "hi"}` is both), so the caller names the path.
 """
 
 from __future__ import annotations
@@ -21,11 +25,15 @@ import json
 from typing import Any
 
 _ROLE_END, _MESSAGE_END = "\x1f", "\x1e"  # separators no chat message text contains
+RESPONSES = "/v1/responses"
+# content parts whose text the model reads: chat's, and the Responses API's
+_TEXT_PARTS = ("text", "input_text", "output_text")
 
 
-def prompt_text(body: dict[str, Any]) -> str:
-    """The prompt of a completions or chat request as one string (the first prompt of a batch)."""
-    messages = body.get("messages")
+def prompt_text(body: dict[str, Any], path: str = "") -> str:
+    """The prompt of a completions, chat or (`path` RESPONSES) Responses request as one string
+    (the first prompt of a batch)."""
+    messages = responses_messages(body) if path == RESPONSES else body.get("messages")
     if isinstance(messages, list):
         parts = []
         for m in messages:
@@ -45,13 +53,32 @@ def prompt_text(body: dict[str, Any]) -> str:
     return ""
 
 
+def responses_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """A Responses body's `instructions` and `input` as chat messages, near enough for routing
+    and estimates: a string is a user message, message items keep their role and content, other
+    items (function calls and their outputs) count as their JSON. The conversation a
+    `previous_response_id` names is on its replica, not here."""
+    instructions, items = body.get("instructions"), body.get("input")
+    out = []
+    if isinstance(instructions, str) and instructions:  # (as the replica: "" makes no message)
+        out.append({"role": "system", "content": instructions})
+    if isinstance(items, str):
+        return [*out, {"role": "user", "content": items}]
+    for item in items if isinstance(items, list) else []:
+        if isinstance(item, dict) and item.get("type", "message") == "message":
+            out.append({"role": item.get("role", ""), "content": item.get("content")})
+        elif isinstance(item, dict):
+            out.append({"role": str(item.get("type")), "content": item})
+    return out
+
+
 def _content_text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):  # [{"type": "text", "text": ...}, {"type": "image_url", ...}]
         return "".join(
             p["text"]
-            if p.get("type") == "text" and isinstance(p.get("text"), str)
+            if p.get("type") in _TEXT_PARTS and isinstance(p.get("text"), str)
             else json.dumps(p, sort_keys=True)
             for p in content
             if isinstance(p, dict)
@@ -73,7 +100,7 @@ def block_hashes(text: str, block_chars: int, max_blocks: int, seed: str = "") -
     return out
 
 
-def estimate_prompt_tokens(body: dict[str, Any]) -> int:
+def estimate_prompt_tokens(body: dict[str, Any], path: str = "") -> int:
     """A tokenizer-free estimate of prompt tokens (about 4 characters per token)."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
@@ -82,4 +109,4 @@ def estimate_prompt_tokens(body: dict[str, Any]) -> int:
         return sum(len(p) for p in prompt)
     if isinstance(prompt, list):
         return sum(-(-len(p) // 4) for p in prompt if isinstance(p, str))
-    return -(-len(prompt_text(body)) // 4)
+    return -(-len(prompt_text(body, path)) // 4)

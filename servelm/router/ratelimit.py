@@ -3,9 +3,11 @@
 Each limit is a token bucket holding at most one minute's allowance and refilling continuously
 (a limit of 60 RPM gives one request back per second). Admission charges one request and an
 estimate of the tokens: prompt (about 4 characters a token) plus prompts x `n` x `max_tokens`
-(/tokenize and /detokenize generate nothing: they are charged no tokens). When the answer's
-`usage` arrives the charge is corrected to the real total, so a level can go below zero (a debt
-paid back by refill); a stream cut before its usage is charged at least what it delivered.
+(a Responses request: its `instructions` and `input`, plus `max_output_tokens`; /tokenize,
+/detokenize and GET / DELETE of a stored response generate nothing: they are charged no
+tokens). When the answer's `usage` arrives (a Responses stream: in its closing event) the
+charge is corrected to the real total, so a level can go below zero (a debt paid back by
+refill); a stream cut before its usage is charged at least what it delivered.
 No level ever goes above its limit. Keys file (JSON):
 
     {"default_max_tokens": 256,
@@ -25,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from servelm.router.prefix import estimate_prompt_tokens
+from servelm.router.prefix import RESPONSES, estimate_prompt_tokens
 
 # counting tokens generates nothing (still one request against an rpm limit)
 UNMETERED = frozenset({"/tokenize", "/detokenize"})
@@ -171,16 +173,18 @@ class RateLimiter:
             return 0
         if path == "/v1/embeddings":
             return estimate_prompt_tokens({"prompt": body.get("input")})
+        n = _count(body.get("n")) or 1
         if path == "/v1/chat/completions":  # completions ignore max_completion_tokens
             max_tokens = _count(body.get("max_completion_tokens") or body.get("max_tokens"))
             prompts = 1
+        elif path == RESPONSES:  # one answer (no `n`), its limit under its own name
+            max_tokens, prompts, n = _count(body.get("max_output_tokens")), 1, 1
         else:
             max_tokens = _count(body.get("max_tokens"))
             prompts = _prompt_count(body.get("prompt"))
         if max_tokens is None:
             max_tokens = self.default_max_tokens
-        n = _count(body.get("n")) or 1
-        return estimate_prompt_tokens(body) + prompts * n * max_tokens
+        return estimate_prompt_tokens(body, path) + prompts * n * max_tokens
 
     def admit(self, key: ApiKey, tokens: int) -> Admission:
         """Charge one request and `tokens`; raise RateLimited (nothing charged) if over a limit."""
@@ -192,7 +196,7 @@ class RateLimiter:
                 key,
                 "tokens",
                 f"Request too large for key {key.name}: about {tokens} "
-                f"tokens, limit {key.tpm:g} tokens per minute. Lower max_tokens (or n, or the prompts per request).",
+                f"tokens, limit {key.tpm:g} tokens per minute. Lower max_tokens or max_output_tokens (or n, or the prompts per request).",
                 60.0,
                 self.headers(key),
             )

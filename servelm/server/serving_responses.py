@@ -8,8 +8,8 @@ is the answer's shape: `output` items (an assistant `message` with `output_text`
 
 Responses are kept in memory (`store`, true by default as in OpenAI's API) so that a later
 request can go on from one with `previous_response_id` and a client can fetch it again; the
-newest `--responses-store-size` are kept, per server process. Behind a router, a continuation
-must reach the replica that holds its response (docs/api.md).
+newest `--responses-store-size` are kept, per server process. Behind `servelm route`, a
+continuation reaches the replica that holds its response (router/affinity.py).
 """
 
 from __future__ import annotations
