@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from fastapi import FastAPI, Request
+from typing import Literal
+
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -17,6 +19,7 @@ from servelm.server.openapi import (
     GENERATE,
     HEALTH,
     MODEL,
+    PAGE,
     TOKENS,
     ChatCompletion,
     Completion,
@@ -109,10 +112,13 @@ def build_app(
         return JSONResponse(responses.get(response_id))
 
     @app.get(
-        "/v1/responses/{response_id}/input_items", response_model=ResponseItems, responses=MODEL
+        "/v1/responses/{response_id}/input_items", response_model=ResponseItems, responses=PAGE
     )
     async def response_input_items(
-        response_id: str, limit: int = 20, order: str = "desc", after: str | None = None
+        response_id: str,
+        limit: int = Query(20, ge=1, le=100),
+        order: Literal["asc", "desc"] = "desc",
+        after: str | None = None,
     ) -> JSONResponse:
         return JSONResponse(responses.input_items(response_id, limit, order, after))
 

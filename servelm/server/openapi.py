@@ -191,6 +191,7 @@ STREAMS = {"/v1/chat/completions": ChatCompletionChunk, "/v1/completions": Compl
 TYPED_STREAMS = {"/v1/responses": ResponseStreamEvent}
 TOKENS = _errors(400, 404, 413)
 MODEL = _errors(404)
+PAGE = _errors(400, 404)  # a page of a stored response's items: a bad limit or order too
 HEALTH = {200: {"description": "The engine is running (no body)."}, **_errors(503)}
 
 

@@ -147,14 +147,10 @@ class ServingResponses:
         self, response_id: str, limit: int = 20, order: str = "desc", after: str | None = None
     ) -> dict[str, Any]:
         """A page of a stored response's input items (OpenAI's list: newest first unless
-        `order` is `asc`, `limit` 1-100, from after the item `after`)."""
+        `order` is `asc`, `limit` of them (1-100, the route checks), after the item `after`)."""
         stored = self.store.get(response_id)
         if stored is None:
             raise _not_found(response_id)
-        if not 1 <= limit <= 100:
-            raise APIError(400, f"limit must be between 1 and 100, got {limit}.", "limit")
-        if order not in ("asc", "desc"):
-            raise APIError(400, f"order must be asc or desc, got {order!r}.", "order")
         items = stored.input_items if order == "asc" else stored.input_items[::-1]
         if after is not None:
             ids = [item["id"] for item in items]
