@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from tests.live_server import LiveServer
-from tests.scripted_model import SCRIPTS, build_scripted_model
+from tests.scripted_model import SCRIPTS
 
 TOOL = {
     "type": "function",
@@ -25,12 +25,6 @@ TOOL = {
     },
     "strict": False,  # the script writes the call; nothing to constrain
 }
-
-
-@pytest.fixture(scope="module")
-def scripted(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("scripted")
-    return folder, build_scripted_model(folder)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from servelm.server.serving_tools import auto_tool_grammar
 from servelm.structured.compiler import GrammarCompiler
 from servelm.text.tokenizer import TextTokenizer
 from tests.live_server import LiveServer
-from tests.scripted_model import build_scripted_model, script_text
+from tests.scripted_model import script_text
 from tests.server.test_tools import streamed, whole
 
 CITY = {
@@ -125,12 +125,6 @@ def test_with_a_json_answer_the_answer_is_that_json_or_calls(accepts):
 
 
 # -- the server, on the scripted model ----------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def scripted(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("scripted")
-    return folder, build_scripted_model(folder)
 
 
 @pytest.fixture(scope="module")

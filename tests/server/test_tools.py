@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from tests.live_server import LiveServer
-from tests.scripted_model import build_scripted_model, script_text
+from tests.scripted_model import script_text
 
 TOOLS = [
     {
@@ -32,12 +32,6 @@ TOOLS = [
     },
 ]
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-
-
-@pytest.fixture(scope="module")
-def scripted(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("scripted")
-    return folder, build_scripted_model(folder)
 
 
 @pytest.fixture(scope="module")
