@@ -2,7 +2,8 @@
 
 A compile never runs on the step loop: `submit` returns a future at once, and the engine keeps
 the request out of the scheduler until it is done. Each finished grammar is kept (up to
-`cache_size`, least recently used out first) as a template matcher; every request gets a copy
+`cache_size`, and `cache_text_bytes` of their text, least recently used out first) as a
+template matcher; every request gets a copy
 of it, so a schema sent again costs a copy, not a compile. The grammar engine's view of the
 vocabulary (built from tokenizer.json, about a second for 49k tokens) is made on that thread
 too, on the first request that asks for structure.
@@ -17,14 +18,27 @@ from typing import Any
 
 from servelm.engine.sampling_params import StructuredOutput
 
+# The cache's bound in the grammars' own text: a compiled grammar takes about 70 times its
+# text in memory (docs/performance.md, "structured/compiler.py"), so 256 distinct 47 KB
+# schemas held 845 MiB, and larger ones (bodies run to 8 MiB) would hold gigabytes.
+CACHE_TEXT_BYTES = 2 << 20
+
 
 class GrammarCompiler:
     """Called from one thread (the engine's step loop); compiles on another."""
 
-    def __init__(self, tokenizer_file: str | Path, vocab_size: int, cache_size: int = 256) -> None:
+    def __init__(
+        self,
+        tokenizer_file: str | Path,
+        vocab_size: int,
+        cache_size: int = 256,
+        cache_text_bytes: int = CACHE_TEXT_BYTES,
+    ) -> None:
         self.tokenizer_file = Path(tokenizer_file)
         self.vocab_size = vocab_size  # the logits' width: tokens past the tokenizer's are masked
         self.cache_size = cache_size
+        self.cache_text_bytes = cache_text_bytes
+        self._cached_text = 0  # the cached grammars' text, in characters
         self._cache: OrderedDict[tuple[StructuredOutput, tuple[int, ...]], Future] = OrderedDict()
         self._tokenizers: dict[tuple[int, ...], Any] = {}
         self._pool: ThreadPoolExecutor | None = None
@@ -41,8 +55,13 @@ class GrammarCompiler:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="servelm-grammar")
         future = self._pool.submit(self._compile, *key)
         self._cache[key] = future
-        while len(self._cache) > self.cache_size:
-            self._cache.popitem(last=False)
+        self._cached_text += len(spec.value)
+        # (the newest stays, however large: its requests hold it anyway)
+        while len(self._cache) > 1 and (
+            len(self._cache) > self.cache_size or self._cached_text > self.cache_text_bytes
+        ):
+            (old, _), _ = self._cache.popitem(last=False)
+            self._cached_text -= len(old.value)
         return future
 
     def _compile(self, spec: StructuredOutput, eos: tuple[int, ...]) -> Any:

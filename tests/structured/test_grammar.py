@@ -257,3 +257,26 @@ def test_numbers_are_held_to_16_digits_before_the_point_and_10_after(compiler):
         assert accepts(text), text
     for text in ("3.14159265358", "90071992547409910", "1e5", "0.00000000001"):
         assert not accepts(text), text
+
+
+def test_the_cache_is_bounded_by_the_grammars_text(tiny_model_dir):
+    # a compiled grammar holds about 70 times its text: 256 large schemas held gigabytes
+    def schema(i: int) -> StructuredOutput:
+        props = {f"p{i}_{j}": {"type": "integer"} for j in range(60)}
+        return StructuredOutput("json", json.dumps({"type": "object", "properties": props}))
+
+    two = len(schema(0).value) + len(schema(1).value)
+    compiler = GrammarCompiler(tiny_model_dir / "tokenizer.json", 400, cache_text_bytes=two)
+    eos = frozenset({0})
+    first = compiler.submit(schema(0), eos)
+    assert compiler.submit(schema(0), eos) is first  # cached: sent again, not compiled again
+    second = compiler.submit(schema(1), eos)
+    assert compiler.submit(schema(0), eos) is first  # both fit
+    compiler.submit(schema(2), eos)  # schema(1), now the least recently used, goes
+    assert compiler.submit(schema(0), eos) is first
+    assert compiler.submit(schema(1), eos) is not second
+    big = StructuredOutput("json", json.dumps({"type": "object", "description": "x" * 3 * two}))
+    kept = compiler.submit(big, eos)  # larger than the bound: kept, alone
+    assert compiler.submit(big, eos) is kept and kept.result(30) is not None
+    assert compiler.submit(schema(0), eos) is not first
+    compiler.shutdown()
