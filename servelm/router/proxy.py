@@ -11,6 +11,7 @@ response (affinity.py) is not retried elsewhere: no other replica can answer it.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import uuid
@@ -159,7 +160,11 @@ class Proxy:
                 return await self._whole(replica, lease, upstream, out_headers, on_usage, on_answer)
             except httpx.HTTPError as exc:  # nothing sent to the client yet: retry
                 failure = self._transport_failure(replica, exc, retry)
-            finally:  # also on cancellation (the client went away while we waited)
+            except asyncio.CancelledError:  # the client went away while we waited: counted,
+                # as a stream it leaves is (`client_closed`), then let go
+                self.metrics.requests.labels(replica.url, "client_closed").inc()
+                raise
+            finally:  # also on cancellation
                 if not handed_over:
                     lease.release()
                     if upstream is not None:

@@ -167,3 +167,25 @@ def test_killed_replica_mid_stream(cluster: list[Proc], log_dir: Path) -> None:
             for _ in range(6)
         ]
         assert victim.url in picks
+
+
+def test_a_whole_answer_whose_client_leaves_is_counted(cluster: list[Proc]) -> None:
+    # (a stream the client leaves is counted `client_closed`; a whole answer was in no series)
+    url = cluster[0].url
+    router = in_process_router([url])
+
+    async def leave_early() -> None:
+        transport = httpx.ASGITransport(app=build_app(router))
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+            body = {"model": MODEL, "prompt": "hello", "max_tokens": STREAM_TOKENS,
+                    "ignore_eos": True}  # fmt: skip
+            try:
+                await asyncio.wait_for(client.post("/v1/completions", json=body), 1.0)
+            except TimeoutError:
+                pass
+
+    asyncio.run(leave_early())
+    counted = router.metrics.registry.get_sample_value(
+        "servelm_router:requests_total", {"replica": url, "status": "client_closed"}
+    )
+    assert counted == 1
