@@ -209,14 +209,18 @@ class ModelRunner:
         by the row count, so steps through them are not batch invariant. Multiplying them in
         fixed row chunks, as the logits head does, would be; not done (docs/architecture.md)."""
         from servelm.model.layers.linear import Linear
+        from servelm.model.moe import Router
 
         def in_c(copy) -> bool:
             return copy is not None and copy.kernel is not None and copy.max_rows == ALL_ROWS
 
+        # (an MoE layer's router too: it stays out of `Linear`, and so in torch, so that int4
+        # rounding never moves a token to another expert)
         return sum(
             1
             for m in self.model.modules()
-            if isinstance(m, Linear) and not (in_c(m.quant) or in_c(m.int4))
+            if isinstance(m, Router)
+            or (isinstance(m, Linear) and not (in_c(m.quant) or in_c(m.int4)))
         )
 
     @property
