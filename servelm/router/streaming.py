@@ -25,7 +25,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from servelm.router.replicas import Lease, Replica
-from servelm.server.sse import DONE, error_event
+from servelm.server.sse import DONE, error_event, typed_event
 
 # the events a Responses stream ends with (`error`: OpenAI's, for a stream that fails early)
 RESPONSE_ENDS = frozenset({"response.completed", "response.incomplete", "response.failed", "error"})
@@ -175,8 +175,7 @@ def _failed(state: StreamState, message: str) -> bytes:
         response = {**state.head, "status": "failed", "error": error}
         payload = {"type": "response.failed", "response": response}
     payload["sequence_number"] = sequence
-    data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-    return f"event: {payload['type']}\ndata: {data}\n\n".encode()
+    return typed_event(payload).encode()
 
 
 async def relay(

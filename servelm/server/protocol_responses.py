@@ -269,6 +269,11 @@ def _text(content: Any, where: str) -> str:
     return "\n".join(texts)
 
 
+def is_strict(tool: Mapping[str, Any]) -> bool:
+    """Whether a Responses function tool is strict: unless it says false (OpenAI's default)."""
+    return tool.get("strict", True) is not False
+
+
 def chat_tool(tool: Any, i: int) -> dict[str, Any]:
     """A Responses function tool (`{"type": "function", "name", "parameters", "strict"}`) in chat's
     shape. `strict` is true unless the tool says otherwise, as OpenAI's Responses API has it."""
@@ -280,7 +285,7 @@ def chat_tool(tool: Any, i: int) -> dict[str, Any]:
     function = {
         k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None
     }
-    function["strict"] = tool.get("strict", True) is not False
+    function["strict"] = is_strict(tool)
     return {"type": "function", "function": function}
 
 

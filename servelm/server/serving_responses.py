@@ -15,7 +15,6 @@ continuation reaches the replica that holds its response (router/affinity.py).
 from __future__ import annotations
 
 import copy
-import json
 import re
 import time
 import uuid
@@ -30,11 +29,16 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from servelm.engine.client import EngineDeadError, RequestsStopped
 from servelm.engine.outputs import Logprobs
 from servelm.server.errors import APIError
-from servelm.server.protocol_responses import ResponsesRequest, chat_request, text_config
+from servelm.server.protocol_responses import (
+    ResponsesRequest,
+    chat_request,
+    is_strict,
+    text_config,
+)
 from servelm.server.serving import Choices, cancel_on_disconnect, collect, error_status
 from servelm.server.serving_chat import ChatRun, ServingChat
 from servelm.server.serving_tools import message_of, stream_tool_calls
-from servelm.server.sse import SSE_HEADERS
+from servelm.server.sse import SSE_HEADERS, typed_event
 
 
 def _id(prefix: str) -> str:
@@ -203,9 +207,7 @@ class ServingResponses:
 
     def _head(self, req: ResponsesRequest, run: ChatRun) -> dict[str, Any]:
         """The response object before its output: what the request asked, echoed."""
-        tools = [
-            {**tool, "strict": tool.get("strict", True) is not False} for tool in req.tools or []
-        ]
+        tools = [{**tool, "strict": is_strict(tool)} for tool in req.tools or []]
         return {
             "id": run.rid,
             "object": "response",
@@ -326,7 +328,6 @@ class ServingResponses:
                     status = error_status(delta)
                     yield self._failed(events, head, writer, delta.error, status)
                     return
-                answer.logprobs += delta.logprobs or []
                 for e in writer.on_delta(delta.text, delta.tool_calls, delta.logprobs):
                     yield e
                 if delta.finished:
@@ -378,8 +379,7 @@ class _Events:
     def __call__(self, kind: str, **fields: Any) -> str:
         payload = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
-        data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-        return f"event: {kind}\ndata: {data}\n\n"
+        return typed_event(payload)
 
 
 class _OutputWriter:
@@ -394,7 +394,6 @@ class _OutputWriter:
         self._text: dict[str, Any] | None = None  # the open message item
         self._text_lps: list[Logprobs] = []
         self._call: dict[str, Any] | None = None  # the open function_call item
-        self._calls: list[dict[str, Any]] = []
 
     def on_delta(
         self, text: str, tool_calls: list[dict] | None, lps: list[Logprobs] | None
@@ -425,7 +424,6 @@ class _OutputWriter:
                 item = _call_item(_id("fc"), call["id"], fn["name"], "", "in_progress")
                 self._call = item
                 self.items.append(item)
-                self._calls.append(call)
                 out.append(self._event("response.output_item.added", item, item=item))
             if fn.get("arguments") and self._call is not None:
                 self._call["arguments"] += fn["arguments"]

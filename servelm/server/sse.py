@@ -14,6 +14,11 @@ def event(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
+def typed_event(payload: dict[str, Any]) -> str:
+    """A Responses API event (its `type` named on the `event:` line, as OpenAI sends it)."""
+    return f"event: {payload['type']}\n{event(payload)}"
+
+
 def error_event(status: int, message: str, code: str | None = None) -> str:
     return event(error_body(status, message, None, code))
 
