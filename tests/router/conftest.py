@@ -192,7 +192,13 @@ def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="package")
 def cluster(router_model_dir: Path, log_dir: Path) -> Iterator[list[Proc]]:
     """Three replicas of the tiny model (started together, stopped at the end)."""
-    procs = [replica_proc(router_model_dir, log_dir).start() for _ in range(3)]
+    yield from running([replica_proc(router_model_dir, log_dir) for _ in range(3)])
+
+
+def running(procs: list[Proc]) -> Iterator[list[Proc]]:
+    """A fixture's body: `procs` started together, ready, then killed at its end."""
+    for p in procs:
+        p.start()
     try:
         for p in procs:
             p.wait_ready()

@@ -26,7 +26,7 @@ from servelm.router.ratelimit import RateLimiter
 from servelm.router.replicas import Lease, Replica, ReplicaSet, ReplicaState
 from servelm.router.streaming import StreamState, relay, sse_events
 from servelm.server.errors import APIError
-from tests.router.conftest import MODEL, Proc, free_port, replica_proc, router
+from tests.router.conftest import MODEL, Proc, free_port, replica_proc, router, running
 from tests.scripted_model import build_scripted_model
 
 
@@ -38,14 +38,7 @@ def script_ids(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str
 
 @pytest.fixture(scope="module")
 def replicas(script_ids, log_dir: Path) -> Iterator[list[Proc]]:
-    procs = [replica_proc(script_ids[0], log_dir).start() for _ in range(2)]
-    try:
-        for p in procs:
-            p.wait_ready()
-        yield procs
-    finally:
-        for p in procs:
-            p.kill()
+    yield from running([replica_proc(script_ids[0], log_dir) for _ in range(2)])
 
 
 @pytest.fixture(scope="module")
